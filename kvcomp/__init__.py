@@ -1,0 +1,14 @@
+"""kvcomp: KV-cache compression for Hugging Face causal language models."""
+
+from kvcomp.cache import CompressedCache
+from kvcomp.compressor import Capabilities, Compose, Compressor, CompressorError, LayerContext
+from kvcomp.generation import GenerationResult, generate
+from kvcomp.models import load_model
+from kvcomp.registry import available, create, register
+from kvcomp.selection import TokenSelection, TokenStore
+
+__all__ = [
+    "Capabilities", "Compose", "CompressedCache", "Compressor", "CompressorError", "GenerationResult",
+    "LayerContext", "TokenSelection", "TokenStore", "available", "create", "generate", "load_model", "register",
+]
+__version__ = "0.1.0"

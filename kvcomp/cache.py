@@ -1,0 +1,157 @@
+"""CompressedCache: a ``transformers.Cache`` whose layers delegate storage and attention to a compressor.
+
+A layer has two lengths, as ``DynamicSlidingWindowLayer`` does: ``get_seq_length()`` counts tokens seen
+(logical; what ``generate`` uses for positions and input slicing) and the physical length counts slots
+stored. Padding tokens of a left-padded batch are never stored: their positions are SENTINEL when they reach
+a compressor, and the selection drops them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvcomp.attention import dense_attention, install, set_active
+from kvcomp.compressor import SENTINEL, Compressor, LayerContext
+
+
+class CompressedLayer(CacheLayerMixin):
+    is_compileable = False  # variable length
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, compressor: Compressor, layer_idx: int, owner: CompressedCache):
+        super().__init__()
+        self.compressor = compressor
+        self.layer_idx = layer_idx
+        self.owner = owner
+        self.state = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.seen_total = 0  # tokens seen including padding: the logical length transformers expects
+        self.seen: torch.Tensor | None = None  # [B] real tokens seen per row
+        self.next_position: torch.Tensor | None = None  # [B] position of the next real token
+
+    # -- transformers' side ----------------------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states) -> None:
+        batch = key_states.shape[0]
+        self.owner.compressor.check(batch)
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.seen = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.next_position = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending is not None:
+            raise RuntimeError(
+                "CompressedCache: the previous K/V of this layer were never consumed by the 'kvcomp' attention "
+                "function. Build the cache with CompressedCache(model, compressor), which installs it, and do not "
+                "change model.config._attn_implementation afterwards."
+            )
+        self.pending = (key_states, value_states)
+        self.seen_total += key_states.shape[-2]
+        set_active(self)
+        # What the model's attention receives is ignored by "kvcomp" attention, which takes `pending`.
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen_total
+
+    def physical_length(self) -> int:
+        if self.state is None:
+            return 0
+        return int(self.compressor.stored_tokens(self.state).max())
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = self.physical_length()
+        return stored + query_length, self.seen_total - stored
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state = None
+        self.pending = None
+        self.seen_total = 0
+        self.seen = self.next_position = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("CompressedLayer cannot be cropped; lossless decoding rolls back the compressor state.")
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError(
+            "CompressedCache does not support beam search or batch reordering yet; use greedy or sampling."
+        )
+
+    reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+    # -- kvcomp's side ---------------------------------------------------------------------------------
+    def forward(self, query: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor, scaling: float):
+        """Attention for the parked K/V. query: [B, H_q, n, D]; position_ids, valid: [B, n]."""
+        k, v = self.pending
+        self.pending = None
+        b, hkv, n, _ = k.shape
+        self.seen = self.seen + valid.sum(1)
+        positions = torch.where(valid, position_ids, SENTINEL)
+        self.next_position = torch.maximum(self.next_position, (positions.masked_fill(~valid, -1).amax(1) + 1))
+        ctx = LayerContext(
+            layer=self.layer_idx,
+            positions=positions.view(b, 1, n).expand(b, hkv, n),
+            query_positions=position_ids,
+            seen=self.seen,
+            scaling=scaling,
+            n_groups=query.shape[1] // hkv,
+            question_length=self.owner.question_length,
+        )
+        if self.state is None:
+            out, _ = dense_attention(query, k, v, position_ids, ctx.positions, scaling)
+            self.state = self.compressor.prefill(self.layer_idx, query, k, v, ctx)
+            return out
+        self.state = self.compressor.append(self.layer_idx, self.state, k, v, ctx)
+        return self.compressor.attend(self.layer_idx, self.state, query, ctx)
+
+
+class CompressedCache(Cache):
+    """``model.generate(ids, cache=CompressedCache(model, compressor))`` compresses at prefill and, for
+    decode-time methods, while decoding. ``question_length`` tells query-aware methods how many trailing
+    prompt tokens hold the question (optional)."""
+
+    def __init__(self, model, compressor: Compressor, question_length: int | None = None):
+        install(model)
+        config = model.config.get_text_config(decoder=True)
+        self.compressor = compressor
+        self.question_length = question_length
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        layers = [CompressedLayer(compressor, i, self) for i in range(config.num_hidden_layers)]
+        super().__init__(layers=layers)
+
+    # -- accounting ------------------------------------------------------------------------------------
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes per tier of the tensors the compressor states hold right now."""
+        total = {"device": 0, "host": 0, "disk": 0}
+        for layer in self.layers:
+            if layer.state is not None:
+                for tier, n in layer.compressor.nbytes(layer.state).items():
+                    total[tier] = total.get(tier, 0) + n
+        return total
+
+    def full_bytes(self) -> int:
+        """Bytes an uncompressed cache (DynamicCache, same dtype) would hold for the real tokens seen."""
+        total = 0
+        for layer in self.layers:
+            if layer.state is not None:
+                total += int(layer.seen.sum()) * self.num_kv_heads * self.head_dim * 2 * layer.dtype.itemsize
+        return total
+
+    def memory_factor(self) -> float:
+        resident = self.resident_bytes()["device"]
+        return self.full_bytes() / resident if resident else float("inf")
+
+    def kept_tokens(self) -> list[torch.Tensor]:
+        """Per layer, ``[B, H_kv]`` tokens stored."""
+        return [layer.compressor.stored_tokens(layer.state) for layer in self.layers if layer.state is not None]

@@ -1,0 +1,222 @@
+"""The unified compressor interface.
+
+A :class:`Compressor` is a dataclass whose fields are its hyper-parameters. It owns, per layer, a *state*
+holding that layer's KV in whatever form it stores it; the framework (``kvcomp.cache`` and
+``kvcomp.attention``) calls its hooks:
+
+=============================================  ===============================================================
+``prefill(layer, q, k, v, ctx)``               after the prefill attention ran on full KV: build the state
+``append(layer, state, k, v, ctx)``            every later forward (decode step, question block): add tokens
+``attend(layer, state, q, ctx)``               inside attention: output over what the state keeps
+``observe(layer, state, weights, ctx)``        attention statistics, when ``needs_attention_weights``
+``checkpoint(state)`` / ``rollback(state, n)``  undo the last ``n`` appended tokens (lossless decoding)
+``nbytes(state)``                              resident bytes per tier
+=============================================  ===============================================================
+
+Shapes: ``q`` is ``[B, H_q, n, D]``; ``k``/``v`` are ``[B, H_kv, n, D]`` (one entry per KV head, never per
+query head); positions are ``[B, H_kv, n]`` original token positions, ``SENTINEL`` marking padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+# Position of an empty slot (padding, or a slot a shorter row does not use). Larger than any real position,
+# so the causal test ``key_pos <= query_pos`` masks it out without a separate validity tensor.
+SENTINEL = 2**30
+
+
+class CompressorError(ValueError):
+    """A compressor was configured or combined in a way that cannot work; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a compressor does and needs; checked before any compute."""
+
+    lossy: bool = True
+    decode_time: bool = False  # evicts or re-encodes while decoding, not only at prefill
+    needs_attention_weights: bool = False  # wants observe() with the decode-step attention probabilities
+    needs_calibration: bool = False
+    query_aware: bool = False  # scores tokens with the queries of the compressed prompt itself
+    supports_batch: bool = True
+
+
+@dataclass
+class LayerContext:
+    """What the framework knows about the tokens handed to a hook.
+
+    positions: ``[B, H_kv, n]`` int64 positions of the ``k``/``v`` passed in (SENTINEL for padding).
+    query_positions: ``[B, n_q]`` positions of the queries of this forward.
+    seen: ``[B]`` real (non-padding) tokens seen so far in each row, including this block.
+    question_length: tokens at the end of the prompt that hold the question, when the caller knows it.
+    """
+
+    layer: int
+    positions: torch.Tensor
+    query_positions: torch.Tensor
+    seen: torch.Tensor
+    scaling: float
+    n_groups: int
+    question_length: int | None = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, H_kv, n]`` bool: which of the tokens passed in are real."""
+        return self.positions < SENTINEL
+
+
+@dataclass
+class Compressor:
+    """Base class of every compression method. Subclasses are dataclasses; validate fields in __post_init__."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    # Registry name; set by kvcomp.registry.register or the entry point name.
+    name: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        pass
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> Any:
+        raise NotImplementedError
+
+    def append(self, layer: int, state: Any, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> Any:
+        raise NotImplementedError
+
+    def materialize(self, state: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, positions)`` of everything the state keeps, ``[B, H_kv, L, D]`` and ``[B, H_kv, L]``."""
+        raise NotImplementedError
+
+    def attend(self, layer: int, state: Any, q: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """Attention output ``[B, H_q, n_q, D]`` of ``q`` over the state. Default: dense over the materialized KV."""
+        from kvcomp.attention import dense_attention
+
+        keys, values, positions = self.materialize(state)
+        need = self.capabilities.needs_attention_weights
+        out, weights = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.scaling, need)
+        if need:
+            self.observe(layer, state, weights, ctx)
+        return out
+
+    def observe(self, layer: int, state: Any, weights: torch.Tensor, ctx: LayerContext) -> None:
+        """``weights``: ``[B, H_kv, G, n_q, L]`` attention probabilities over the materialized slots."""
+
+    def checkpoint(self, state: Any) -> Any:
+        raise CompressorError(f"{type(self).__name__} does not support checkpoint/rollback yet.")
+
+    def rollback(self, state: Any, n: int) -> Any:
+        raise CompressorError(f"{type(self).__name__} does not support checkpoint/rollback yet.")
+
+    def nbytes(self, state: Any) -> dict[str, int]:
+        raise NotImplementedError
+
+    def stored_tokens(self, state: Any) -> torch.Tensor:
+        """``[B, H_kv]`` tokens the state holds per row and KV head (for budgets and reports)."""
+        _, _, positions = self.materialize(state)
+        return (positions < SENTINEL).sum(-1)
+
+    # -- checks --------------------------------------------------------------------------------------------
+    def check(self, batch_size: int) -> None:
+        """Raise CompressorError for an unsupported use, before any compute."""
+        if batch_size > 1 and not self.capabilities.supports_batch:
+            raise CompressorError(
+                f"{type(self).__name__} does not support batch size > 1 (got {batch_size}); run one sequence at a time."
+            )
+
+    def params(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _check_ratio(ratio: float, name: str = "compression_ratio") -> None:
+    if not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) < 1.0:
+        raise CompressorError(
+            f"{name} must be in [0, 1): the fraction of tokens removed (0.75 keeps a quarter); got {ratio!r}."
+        )
+
+
+@dataclass
+class Compose(Compressor):
+    """Apply compressors in order: each later one compresses what the earlier ones kept at prefill.
+
+    ``Compose(SnapKV(0.5), StreamingLLM(0.5))`` keeps a quarter of the prompt. The last compressor owns the
+    state from then on (appends, attention, bytes); earlier ones act at prefill only, so they must not be
+    ``decode_time`` methods.
+    """
+
+    stages: list[Compressor] = field(default_factory=list)
+
+    def __init__(self, *stages: Compressor):
+        self.stages = list(stages)
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        if len(self.stages) < 2:
+            raise CompressorError("Compose needs at least two compressors, e.g. Compose(SnapKV(0.5), StreamingLLM(0.5)).")
+        for stage in self.stages:
+            if not isinstance(stage, Compressor):
+                raise CompressorError(f"Compose takes Compressor instances, got {stage!r}.")
+        for stage in self.stages[:-1]:
+            if stage.capabilities.decode_time:
+                raise CompressorError(
+                    f"{type(stage).__name__} evicts during decoding, so it can only be the last stage of Compose."
+                )
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        caps = [s.capabilities for s in self.stages]
+        last = caps[-1]
+        return Capabilities(
+            lossy=any(c.lossy for c in caps),
+            decode_time=last.decode_time,
+            needs_attention_weights=last.needs_attention_weights,
+            needs_calibration=any(c.needs_calibration for c in caps),
+            query_aware=any(c.query_aware for c in caps),
+            supports_batch=all(c.supports_batch for c in caps),
+        )
+
+    def check(self, batch_size: int) -> None:
+        for stage in self.stages:
+            stage.check(batch_size)
+
+    def params(self) -> dict[str, Any]:
+        return {"stages": [{"name": s.name or type(s).__name__, **s.params()} for s in self.stages]}
+
+    def prefill(self, layer, q, k, v, ctx):
+        state = self.stages[0].prefill(layer, q, k, v, ctx)
+        for prev, stage in zip(self.stages, self.stages[1:]):
+            k, v, positions = prev.materialize(state)
+            ctx = dataclasses.replace(ctx, positions=positions.long())
+            state = stage.prefill(layer, q, k, v, ctx)
+        return state
+
+    def _last(self) -> Compressor:
+        return self.stages[-1]
+
+    def append(self, layer, state, k, v, ctx):
+        return self._last().append(layer, state, k, v, ctx)
+
+    def materialize(self, state):
+        return self._last().materialize(state)
+
+    def attend(self, layer, state, q, ctx):
+        return self._last().attend(layer, state, q, ctx)
+
+    def observe(self, layer, state, weights, ctx):
+        return self._last().observe(layer, state, weights, ctx)
+
+    def checkpoint(self, state):
+        return self._last().checkpoint(state)
+
+    def rollback(self, state, n):
+        return self._last().rollback(state, n)
+
+    def nbytes(self, state):
+        return self._last().nbytes(state)
+
+    def stored_tokens(self, state):
+        return self._last().stored_tokens(state)

@@ -1,0 +1,221 @@
+"""Prefill-compress-decode with an explicit context/question split.
+
+The chat template renders ``context + question`` (concatenated as given) as the user turn, followed by the
+assistant header and an optional ``answer_prefix``. The rendered prompt is split right after the context:
+
+* query-agnostic (default): the context part is prefilled and compressed before the question is seen; the
+  question part is then appended to the compressed cache (the realistic setting for a reused context);
+* query-aware: the whole prompt is prefilled and compressed at once, so methods like SnapKV observe the
+  question. ``question_length`` (the tokens after the context) is passed to the compressor.
+
+Both parts are tokenized separately (``add_special_tokens=False``; the template already holds them), and the
+uncompressed reference uses the same token ids, so differences come from compression only.
+Batches are left-padded per part; padding is never stored and never attended.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvcomp.attention import install
+from kvcomp.cache import CompressedCache
+from kvcomp.compressor import Compressor
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    token_ids: list[list[int]]  # generated ids per row, cut after the first stop token (excluded)
+    prompt_tokens: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    resident_bytes: dict[str, int]  # at the end of generation, per tier
+    full_bytes: int  # what an uncompressed cache in the same dtype would hold
+    kept_tokens_per_layer: list[float]  # mean over rows and KV heads, at the end of generation
+    query_aware: bool
+    compressor: str
+    dtype: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
+
+    @property
+    def memory_factor(self) -> float:
+        resident = self.resident_bytes.get("device", 0)
+        return self.full_bytes / resident if resident else float("inf")
+
+
+@dataclass
+class PromptParts:
+    context_ids: list[int]
+    question_ids: list[int]
+
+
+def split_prompt(tokenizer, context: str, question: str, answer_prefix: str = "", chat_template: bool = True,
+                 system_prompt: str | None = None) -> PromptParts:
+    """Render the prompt and tokenize its context part and its question part separately."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": context + question}]
+        if system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        rendered = context + question
+    rendered += answer_prefix
+    cut = rendered.find(context + question)
+    if cut < 0:
+        raise ValueError("The chat template changed the user text; pass chat_template=False to use the raw text.")
+    cut += len(context)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    return PromptParts(encode(rendered[:cut]), encode(rendered[cut:]))
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    for e in (eos if isinstance(eos, list) else [eos]):
+        if e is not None:
+            ids.add(int(e))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    # Same convention as transformers' generate: real tokens numbered 0.. per row, padding given 1.
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+@torch.inference_mode()
+def generate_ids(model, parts: list[PromptParts], compressor: Compressor | None, max_new_tokens: int = 32,
+                 query_aware: bool = False, pad_id: int = 0, stop_ids: set[int] | None = None,
+                 ) -> tuple[list[list[int]], dict[str, Any]]:
+    """Greedy decoding of a batch of split prompts; returns generated ids per row and statistics."""
+    install(model)
+    device = model.device
+    stop_ids = stop_ids or set()
+    if query_aware:
+        blocks = [[p.context_ids + p.question_ids for p in parts]]
+        question_length = min(len(p.question_ids) for p in parts) or None
+    else:
+        blocks = [[p.context_ids for p in parts], [p.question_ids for p in parts]]
+        blocks = [b for b in blocks if any(b)]
+        question_length = None
+    if compressor is None:
+        cache = DynamicCache()
+    else:
+        cache = CompressedCache(model, compressor, question_length=question_length)
+
+    batch = len(parts)
+    mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    for rows in blocks:
+        ids, block_mask = _left_pad(rows, pad_id)
+        mask = torch.cat([mask, block_mask.to(device)], dim=1)
+        out = model(input_ids=ids.to(device), attention_mask=mask, position_ids=_positions(mask)[:, -ids.shape[1]:],
+                    cache=cache, use_cache=True, logits_to_keep=1)
+    prefill_seconds = time.perf_counter() - t0
+    prefill_kept = cache.kept_tokens() if isinstance(cache, CompressedCache) else None
+
+    generated = torch.zeros(batch, 0, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    for step in range(max_new_tokens):
+        next_ids = out.logits[:, -1].argmax(-1)
+        generated = torch.cat([generated, next_ids[:, None]], dim=1)
+        done |= torch.isin(next_ids, stop)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
+        out = model(input_ids=next_ids[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
+                    cache=cache, use_cache=True, logits_to_keep=1)
+    decode_seconds = time.perf_counter() - t0
+
+    rows = []
+    for row in generated.tolist():
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
+        rows.append(row[:cut])
+    stats = dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=cache,
+                 prefill_kept=prefill_kept, generated_steps=generated.shape[1])
+    return rows, stats
+
+
+def cache_stats(cache, dtype: torch.dtype) -> tuple[dict[str, int], int, list[float]]:
+    """Resident bytes per tier, uncompressed bytes, and mean kept tokens per layer."""
+    if isinstance(cache, CompressedCache):
+        kept = [float(k.float().mean()) for k in cache.kept_tokens()]
+        return cache.resident_bytes(), cache.full_bytes(), kept
+    resident = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+    kept = [float(layer.keys.shape[-2]) for layer in cache.layers if layer.is_initialized]
+    return {"device": resident, "host": 0, "disk": 0}, resident, kept
+
+
+def resolve_compressor(compressor: Compressor | str | None, **params) -> Compressor | None:
+    if compressor is None or compressor == "none":
+        return None
+    if isinstance(compressor, str):
+        from kvcomp.registry import create
+
+        return create(compressor, **params)
+    return compressor
+
+
+def generate(model, tokenizer, context: str | list[str], question: str | list[str] = "",
+             compressor: Compressor | str | None = None, max_new_tokens: int = 32, query_aware: bool = False,
+             answer_prefix: str = "", chat_template: bool = True, system_prompt: str | None = None,
+             **compressor_params) -> GenerationResult:
+    """Generate an answer to ``question`` about ``context`` with a compressed KV cache (greedy).
+
+    ``compressor``: a Compressor, a registered name (its hyper-parameters as keyword arguments), or None for
+    the uncompressed baseline. Lists of contexts/questions run as one left-padded batch.
+    """
+    compressor = resolve_compressor(compressor, **compressor_params)
+    contexts = [context] if isinstance(context, str) else list(context)
+    questions = [question] * len(contexts) if isinstance(question, str) else list(question)
+    if len(questions) != len(contexts):
+        raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions: pass one question per context.")
+    parts = [split_prompt(tokenizer, c, q, answer_prefix, chat_template, system_prompt)
+             for c, q in zip(contexts, questions)]
+    if compressor is not None:
+        compressor.check(len(parts))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rows, stats = generate_ids(model, parts, compressor, max_new_tokens, query_aware, pad_id,
+                               stop_token_ids(model, tokenizer))
+    resident, full, kept = cache_stats(stats["cache"], model.dtype)
+    name = "none" if compressor is None else (compressor.name or type(compressor).__name__)
+    return GenerationResult(
+        texts=[tokenizer.decode(r, skip_special_tokens=True) for r in rows],
+        token_ids=rows,
+        prompt_tokens=[len(p.context_ids) + len(p.question_ids) for p in parts],
+        prefill_seconds=stats["prefill_seconds"],
+        decode_seconds=stats["decode_seconds"],
+        resident_bytes=resident,
+        full_bytes=full,
+        kept_tokens_per_layer=kept,
+        query_aware=query_aware,
+        compressor=name,
+        dtype=str(model.dtype).removeprefix("torch."),
+        extra={"params": {} if compressor is None else compressor.params(), "steps": stats["generated_steps"]},
+    )
