@@ -554,7 +554,11 @@ def generate_samples(
         raise ValueError("num_samples must be >= 0")
     spec = TASKS[task]
     args = {k: options.get(k, v) for k, v in spec.args.items()}
-    cap = int(options.get("tokens_to_generate") or spec.tokens_to_generate)
+    cap = (
+        spec.tokens_to_generate
+        if options.get("tokens_to_generate") is None
+        else int(options["tokens_to_generate"])
+    )
     reserve = int(options.get("reserve_tokens") or 0)
     budget = length - cap - reserve
 
