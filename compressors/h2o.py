@@ -19,27 +19,36 @@ import torch
 from kvcomp.compressor import Capabilities, CompressorError
 from kvcomp.selection import TokenSelection, TokenStore, compact, recent_mask, select_top, store_from_block
 
-_PREFILL_CHUNK = 512
+_PREFILL_CHUNK = 256
 
 
-def accumulated_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                          scaling: float) -> torch.Tensor:
-    """Causal attention each key receives, summed over all queries and the query group.
+def accumulated_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, q_real: torch.Tensor,
+                          k_pos: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention each key receives, summed over the real queries and the query group.
 
-    q: [B, H_q, n, D], k: [B, H_kv, n, D], q_pos: [B, n], k_pos: [B, H_kv, n] -> [B, H_kv, n] float32.
-    Queries are processed in chunks so the ``n x n`` matrix is never materialized whole.
+    q: [B, H_q, n, D], k: [B, H_kv, L, D], q_pos / q_real: [B, n] positions / real-token flags of the
+    queries, k_pos: [B, H_kv, L] (SENTINEL = padding) -> [B, H_kv, L] float32.
+    Queries go in chunks, each against the keys up to the last one it can see, so the ``n x L`` matrix
+    is never whole and the causal upper triangle is mostly skipped.
     """
     b, hq, n, d = q.shape
-    hkv = k.shape[1]
+    hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
-    total = torch.zeros(b, hkv, n, dtype=torch.float32, device=q.device)
+    q_real = q_real.float()
+    total = torch.zeros(b, hkv, length, dtype=torch.float32, device=q.device)
     for start in range(0, n, _PREFILL_CHUNK):
         stop = min(n, start + _PREFILL_CHUNK)
-        qc = q[:, :, start:stop].reshape(b, hkv, g * (stop - start), d)
-        logits = torch.matmul(qc, k.transpose(-1, -2)).float() * scaling
-        mask = (k_pos[:, :, None, :] <= q_pos[:, None, start:stop, None]).repeat_interleave(g, dim=2)
-        probs = logits.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
-        total += probs.sum(2)
+        m = stop - start
+        visible = (k_pos <= q_pos[:, start:stop].max()).any(0).any(0)
+        if not bool(visible.any()):
+            continue
+        lim = int(visible.nonzero().max()) + 1
+        qc = q[:, :, start:stop].reshape(b, hkv, g * m, d)
+        logits = torch.matmul(qc, k[:, :, :lim].transpose(-1, -2)).float().view(b, hkv, g, m, lim)
+        allowed = k_pos[:, :, None, None, :lim] <= q_pos[:, None, None, start:stop, None]  # [B, H_kv, 1, m, lim]
+        allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding queries: finite, then zero-weighted
+        probs = logits.mul_(scaling).masked_fill_(~allowed, float("-inf")).softmax(-1)
+        total[..., :lim] += torch.einsum("bhgmn,bm->bhn", probs, q_real[:, start:stop])
     return total
 
 
@@ -63,7 +72,7 @@ class H2O(TokenSelection):
         store = store_from_block(k, v, ctx)
         # Every prompt token gets its accumulated attention, also when nothing is evicted yet, so that
         # decode-time eviction starts from the prompt's statistics.
-        store.scores = accumulated_attention(q, k, ctx.query_positions, ctx.positions, ctx.scaling)
+        store.scores = accumulated_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions, ctx.scaling)
         store.scores.masked_fill_(~store.valid, 0.0)
         n_real = store.valid[:, 0].sum(-1)
         budget = self.kept_tokens(n_real)

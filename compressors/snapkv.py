@@ -46,32 +46,39 @@ class SnapKV(TokenSelection):
         if self.pooling not in ("avg", "max"):
             raise CompressorError(f"pooling must be 'avg' or 'max', got {self.pooling!r}.")
 
-    def observation_window(self, n: int, question_length: int | None) -> int:
+    def observation_window(self, n: int, question_length: torch.Tensor | None, batch: int) -> torch.Tensor:
+        """``[B]`` number of final queries observed in each row."""
         if self.window is not None:
-            return min(self.window, n)
-        if question_length:
-            return max(1, min(question_length, self.max_window, n))
-        return min(DEFAULT_WINDOW, n)
+            return torch.full((batch,), min(self.window, n))
+        if question_length is not None:
+            return question_length.clamp(1, min(self.max_window, n))
+        return torch.full((batch,), min(DEFAULT_WINDOW, n))
 
     def score(self, q, k, v, ctx):
         # q: [B, H_q, n, D]; k: [B, H_kv, n, D] -> scores [B, H_kv, n]
         b, hq, n, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
-        w = self.observation_window(n, ctx.question_length)
-        q_obs = q[:, :, -w:].reshape(b, hkv, g * w, d)
-        logits = torch.matmul(q_obs, k.transpose(-1, -2)).float() * ctx.scaling  # [B, H_kv, G*w, n]
-        q_pos = ctx.query_positions[:, -w:]
-        mask = (ctx.positions[:, :, None, :] <= q_pos[:, None, :, None]).repeat_interleave(g, dim=2)
-        probs = logits.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
-        scores = probs.view(b, hkv, g, w, n).mean(dim=(2, 3))
+        w = self.observation_window(n, ctx.question_length, b).to(q.device)  # [B]
+        width = int(w.max())
+        q_obs = q[:, :, -width:].reshape(b, hkv, g * width, d)
+        logits = torch.matmul(q_obs, k.transpose(-1, -2)).float().view(b, hkv, g, width, n) * ctx.scaling
+        q_pos = ctx.query_positions[:, -width:]
+        allowed = ctx.positions[:, :, None, None, :] <= q_pos[:, None, None, :, None]  # [B, H_kv, 1, width, n]
+        probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+        observed = (torch.arange(width, device=q.device) >= (width - w).view(-1, 1)).float()  # [B, width]
+        probs = probs * observed.view(b, 1, 1, width, 1)
+        scores = probs.sum(dim=(2, 3)) / (g * w).view(b, 1, 1)
         pad = self.kernel_size // 2
-        pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
         flat = scores.reshape(b * hkv, 1, n)
         if self.pooling == "avg":
-            scores = pool(flat, self.kernel_size, stride=1, padding=pad, count_include_pad=False).view(b, hkv, n)
+            # Mean over the real neighbours only, so a left-padded row scores like the same prompt alone.
+            real = ctx.valid.reshape(b * hkv, 1, n).float()
+            total = F.avg_pool1d(flat * real, self.kernel_size, stride=1, padding=pad)
+            count = F.avg_pool1d(real, self.kernel_size, stride=1, padding=pad).clamp_min(1e-9)
+            scores = (total / count).view(b, hkv, n)
         else:
-            scores = pool(flat, self.kernel_size, stride=1, padding=pad).view(b, hkv, n)
+            scores = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad).view(b, hkv, n)
         # The observation window itself is always kept.
         in_window = ctx.positions >= (ctx.seen - w).view(-1, 1, 1)
         return scores.masked_fill(in_window & ctx.valid, float("inf"))

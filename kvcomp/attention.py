@@ -51,8 +51,7 @@ class KVCompMask:
 def kvcomp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
                 **kwargs) -> KVCompMask:
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                kv_offset=kv_offset, attention_mask=attention_mask, device=kwargs.get("device", "cpu"),
-                allow_is_causal_skip=False)
+                kv_offset=kv_offset, attention_mask=attention_mask, device=kwargs.get("device", "cpu"))
     if mask_function is not None:
         args["mask_function"] = mask_function
     padding = None

@@ -102,6 +102,7 @@ class CompressedLayer(CacheLayerMixin):
             layer=self.layer_idx,
             positions=positions.view(b, 1, n).expand(b, hkv, n),
             query_positions=position_ids,
+            query_valid=valid,
             seen=self.seen,
             scaling=scaling,
             n_groups=query.shape[1] // hkv,
@@ -118,10 +119,14 @@ class CompressedLayer(CacheLayerMixin):
 class CompressedCache(Cache):
     """``model.generate(ids, cache=CompressedCache(model, compressor))`` compresses at prefill and, for
     decode-time methods, while decoding. ``question_length`` tells query-aware methods how many trailing
-    prompt tokens hold the question (optional)."""
+    prompt tokens hold the question, one count per row or one for all (optional)."""
 
-    def __init__(self, model, compressor: Compressor, question_length: int | None = None):
+    def __init__(self, model, compressor: Compressor, question_length: int | list[int] | None = None):
         install(model)
+        if isinstance(question_length, int):
+            question_length = [question_length]
+        if question_length is not None:
+            question_length = torch.as_tensor(question_length, dtype=torch.long, device=model.device)
         config = model.config.get_text_config(decoder=True)
         self.compressor = compressor
         self.question_length = question_length

@@ -52,17 +52,19 @@ class LayerContext:
 
     positions: ``[B, H_kv, n]`` int64 positions of the ``k``/``v`` passed in (SENTINEL for padding).
     query_positions: ``[B, n_q]`` positions of the queries of this forward.
+    query_valid: ``[B, n_q]`` bool, which queries are real tokens (not padding).
     seen: ``[B]`` real (non-padding) tokens seen so far in each row, including this block.
-    question_length: tokens at the end of the prompt that hold the question, when the caller knows it.
+    question_length: ``[B]`` tokens at the end of each prompt that hold the question, when the caller knows it.
     """
 
     layer: int
     positions: torch.Tensor
     query_positions: torch.Tensor
+    query_valid: torch.Tensor
     seen: torch.Tensor
     scaling: float
     n_groups: int
-    question_length: int | None = None
+    question_length: torch.Tensor | None = None
 
     @property
     def valid(self) -> torch.Tensor:

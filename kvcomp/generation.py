@@ -117,7 +117,7 @@ def generate_ids(model, parts: list[PromptParts], compressor: Compressor | None,
     stop_ids = stop_ids or set()
     if query_aware:
         blocks = [[p.context_ids + p.question_ids for p in parts]]
-        question_length = min(len(p.question_ids) for p in parts) or None
+        question_length = [len(p.question_ids) for p in parts] if any(p.question_ids for p in parts) else None
     else:
         blocks = [[p.context_ids for p in parts], [p.question_ids for p in parts]]
         blocks = [b for b in blocks if any(b)]

@@ -1,0 +1,52 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """(model, tokenizer) of the random 2-layer Llama; kvcomp installs its attention on it."""
+    from kvcomp import load_model
+
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny64():
+    """The tiny model in float64: batched and single runs then differ by ~1e-15, so a test comparing them
+    checks the logic (padding, per-row budgets) rather than float32 rounding on near-tied scores."""
+    from kvcomp import load_model
+
+    return load_model("tiny", dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference():
+    """An identical tiny model left on transformers' own sdpa attention: the 'without kvcomp' reference."""
+    from kvcomp import load_model
+
+    model, tokenizer = load_model("tiny")
+    model.set_attn_implementation("sdpa")
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    from kvcomp import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def embedded_reference(embedded):
+    """A second instance of the embedded model on plain sdpa (shares no attention setting with `embedded`)."""
+    from kvcomp import load_model
+
+    model, tokenizer = load_model()
+    model.set_attn_implementation("sdpa")
+    return model, tokenizer
