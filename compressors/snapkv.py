@@ -31,7 +31,7 @@ DEFAULT_WINDOW = 16
 @dataclass
 class SnapKV(TokenSelection):
     window: int | None = None
-    kernel_size: int = 5
+    kernel_size: int = 21  # pooling width; see the module docstring
     pooling: str = "avg"
     max_window: int = 64  # cap on a question-derived window
 

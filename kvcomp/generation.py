@@ -66,6 +66,8 @@ def split_prompt(tokenizer, context: str, question: str, answer_prefix: str = ""
         if system_prompt is not None:
             messages.insert(0, {"role": "system", "content": system_prompt})
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The assistant turn starts right after its header: a raw-text prefix's leading space does not belong.
+        answer_prefix = answer_prefix.lstrip()
     else:
         rendered = context + question
     rendered += answer_prefix

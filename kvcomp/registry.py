@@ -25,7 +25,8 @@ def register(name: str, cls: type[Compressor] | None = None):
     def add(c: type[Compressor]) -> type[Compressor]:
         if not (isinstance(c, type) and issubclass(c, Compressor)):
             raise CompressorError(f"register({name!r}, ...) needs a Compressor subclass, got {c!r}.")
-        c.name = name
+        if not c.__dict__.get("name"):  # a class registered under two names keeps its first one
+            c.name = name
         _registry[name] = c
         return c
 

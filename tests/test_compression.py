@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import kvcomp
-from kvcomp import CompressedCache, Compose, CompressorError, generate
-from kvcomp.generation import _left_pad, split_prompt, stop_token_ids
-from kvcomp.selection import TokenSelection
-from tests.helpers import CONTEXTS, QUESTIONS, SELECTION_METHODS
 from compressors.h2o import H2O
 from compressors.snapkv import SnapKV
 from compressors.streaming_llm import StreamingLLM
+from kvcomp import Compose, CompressedCache, CompressorError, generate
+from kvcomp.generation import _left_pad, split_prompt, stop_token_ids
+from kvcomp.selection import TokenSelection
+from tests.helpers import CONTEXTS, QUESTIONS, SELECTION_METHODS
 
 NEW_TOKENS = 12
 
@@ -261,8 +261,10 @@ def test_external_compressor_via_entry_point(monkeypatch):
                     group=registry.GROUP)
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == registry.GROUP else [])
     monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
     compressor = registry.create("ep_streaming_test", compression_ratio=0.25)
     assert isinstance(compressor, StreamingLLM) and compressor.compression_ratio == 0.25
+    assert StreamingLLM.name == "streaming_llm"  # registering under a second name does not rename it
 
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5, "half"])

