@@ -503,6 +503,14 @@ def run(
     else:
         references = ReferenceStore(Path(reference))
 
+    context_limit = getattr(model.config, "max_position_embeddings", None)
+    if context_limit:
+        needed = max((s.length_tokens + s.max_new_tokens for s in task_samples.samples), default=0)
+        if needed > context_limit:
+            raise ValueError(
+                f"{task_samples.name}: samples need up to {needed} tokens (prompt + generation) but the model's "
+                f"context is {context_limit} tokens; pass a smaller length= or use a model with a longer context."
+            )
     ids = [s.id for s in task_samples.samples]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{task_samples.name}: sample ids are not unique.")

@@ -148,6 +148,26 @@ def test_resume_adds_only_missing_records(tiny, task, tmp_path):
         == []
     )
     assert len(_lines(tmp_path / REFERENCE_FILE)) == 3
+    # The resumed file holds what an uninterrupted run writes (timings aside).
+    whole = tmp_path / "whole" / "h2o.jsonl"
+    list(run(model, tok, task, "h2o", query_aware=True, out_path=whole, compression_ratio=0.5, progress=False))
+    timing = {"prefill_seconds", "decode_seconds"}
+
+    def strip(records):
+        return [{k: v for k, v in r.items() if k not in timing} for r in records]
+
+    assert strip(load_records(out)) == strip(load_records(whole))
+
+
+def test_length_beyond_model_context_is_a_clear_error(tiny, task):
+    model, tok = tiny
+    limit = model.config.max_position_embeddings
+    try:
+        model.config.max_position_embeddings = 300
+        with pytest.raises(ValueError, match="model's context is 300 tokens"):
+            run(model, tok, task, None, query_aware=False, progress=False)
+    finally:
+        model.config.max_position_embeddings = limit
 
 
 def test_config_mismatch_is_an_error(tiny, task, tmp_path):
