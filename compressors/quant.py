@@ -55,8 +55,15 @@ class QuantState:
     residual: TokenStore
 
     def group_tensors(self) -> list[torch.Tensor]:
-        return [self.key_codes, self.key_scale, self.key_zero, self.value_codes, self.value_scale,
-                self.value_zero, self.positions]
+        return [
+            self.key_codes,
+            self.key_scale,
+            self.key_zero,
+            self.value_codes,
+            self.value_scale,
+            self.value_zero,
+            self.positions,
+        ]
 
     def tensors(self) -> list[torch.Tensor]:
         return self.group_tensors() + self.residual.tensors()
@@ -82,7 +89,9 @@ class Quant(Compressor):
 
     def __post_init__(self) -> None:
         if not isinstance(self.bits, int) or isinstance(self.bits, bool) or self.bits not in quant_ref.BITS:
-            raise CompressorError(f"bits must be one of {', '.join(map(str, quant_ref.BITS))}; got {self.bits!r}.")
+            raise CompressorError(
+                f"bits must be one of {', '.join(map(str, quant_ref.BITS))}; got {self.bits!r}."
+            )
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0:
             raise CompressorError(f"group_size must be a positive number of tokens, got {self.group_size!r}.")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
@@ -110,8 +119,16 @@ class Quant(Compressor):
 
         residual = TokenStore(k[:, :, :0], v[:, :, :0], ctx.positions[:, :, :0].to(torch.int32))
         codes = empty(g, packed, dtype=torch.uint8)
-        state = QuantState(codes, empty(d), empty(d), codes, empty(g, n_value_groups), empty(g, n_value_groups),
-                           empty(g, dtype=torch.int32), residual)
+        state = QuantState(
+            codes,
+            empty(d),
+            empty(d),
+            codes,
+            empty(g, n_value_groups),
+            empty(g, n_value_groups),
+            empty(g, dtype=torch.int32),
+            residual,
+        )
         return self.append(layer, state, k, v, ctx)
 
     def append(self, layer, state: QuantState, k, v, ctx):
@@ -146,20 +163,36 @@ class Quant(Compressor):
     def materialize(self, state: QuantState):
         dtype = state.residual.keys.dtype
         keys = quant_ref.dequantize_keys(state.key_codes, state.key_scale, state.key_zero, self.bits, dtype)
-        values = quant_ref.dequantize_values(state.value_codes, state.value_scale, state.value_zero, self.bits,
-                                             dtype)
-        return (torch.cat([keys.flatten(2, 3), state.residual.keys], dim=2),
-                torch.cat([values.flatten(2, 3), state.residual.values], dim=2),
-                torch.cat([state.positions.flatten(2), state.residual.positions], dim=2))
+        values = quant_ref.dequantize_values(
+            state.value_codes, state.value_scale, state.value_zero, self.bits, dtype
+        )
+        return (
+            torch.cat([keys.flatten(2, 3), state.residual.keys], dim=2),
+            torch.cat([values.flatten(2, 3), state.residual.values], dim=2),
+            torch.cat([state.positions.flatten(2), state.residual.positions], dim=2),
+        )
 
     def attend(self, layer, state: QuantState, q, ctx):
         """Blockwise dequantize-attention (see :func:`kvcomp.kernels.quant_ref.quant_attention` for what is
         materialized at a time): equal to dense attention over :meth:`materialize`'s K/V."""
         r = state.residual
         return quant_ref.quant_attention(
-            q, ctx.query_positions, state.key_codes, state.key_scale, state.key_zero, state.value_codes,
-            state.value_scale, state.value_zero, state.positions, r.keys, r.values, r.positions, self.bits,
-            ctx.scaling, block_tokens=_DECODE_BLOCK, sentinel=SENTINEL,
+            q,
+            ctx.query_positions,
+            state.key_codes,
+            state.key_scale,
+            state.key_zero,
+            state.value_codes,
+            state.value_scale,
+            state.value_zero,
+            state.positions,
+            r.keys,
+            r.values,
+            r.positions,
+            self.bits,
+            ctx.scaling,
+            block_tokens=_DECODE_BLOCK,
+            sentinel=SENTINEL,
         )
 
     def nbytes(self, state: QuantState) -> dict[str, int]:

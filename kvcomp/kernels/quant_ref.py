@@ -52,8 +52,9 @@ def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.
     return codes.to(torch.uint8), scale, zero
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dim: int,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dim: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``codes * scale + zero`` with ``scale``/``zero`` broadcast along ``dim``; computed in float32 (or
     float64), returned in ``dtype`` (default: the dtype of ``scale``)."""
     cdt = _compute_dtype(scale.dtype)
@@ -68,13 +69,16 @@ def quantize_keys(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     return pack(codes, bits), scale, zero
 
 
-def dequantize_keys(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                    dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize_keys(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Inverse of :func:`quantize_keys`: -> ``[B, H, N, G, D]``."""
     return dequantize(unpack(packed, bits), scale, zero, dim=-2, dtype=dtype)
 
 
-def quantize_values(v: torch.Tensor, bits: int, channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_values(
+    v: torch.Tensor, bits: int, channels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Values per token: ``v`` ``[B, H, N, G, D]`` -> packed ``[B, H, N, G, D*bits/8]``, scale and zero
     ``[B, H, N, G, D/C]`` (one per token and group of ``C = channels`` channels)."""
     grouped = v.reshape(*v.shape[:-1], v.shape[-1] // channels, channels)
@@ -82,19 +86,33 @@ def quantize_values(v: torch.Tensor, bits: int, channels: int) -> tuple[torch.Te
     return pack(codes.flatten(-2), bits), scale, zero
 
 
-def dequantize_values(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                      dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize_values(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Inverse of :func:`quantize_values`: -> ``[B, H, N, G, D]``."""
     codes = unpack(packed, bits)
     codes = codes.reshape(*codes.shape[:-1], scale.shape[-1], -1)
     return dequantize(codes, scale, zero, dim=-1, dtype=dtype).flatten(-2)
 
 
-def quant_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
-                    key_zero: torch.Tensor, value_codes: torch.Tensor, value_scale: torch.Tensor,
-                    value_zero: torch.Tensor, positions: torch.Tensor, residual_keys: torch.Tensor,
-                    residual_values: torch.Tensor, residual_positions: torch.Tensor, bits: int, scaling: float,
-                    block_tokens: int = 1024, sentinel: int = 2**30) -> torch.Tensor:
+def quant_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    positions: torch.Tensor,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    residual_positions: torch.Tensor,
+    bits: int,
+    scaling: float,
+    block_tokens: int = 1024,
+    sentinel: int = 2**30,
+) -> torch.Tensor:
     """Attention of ``q`` over quantized groups plus a full-precision residual, with an online softmax.
 
     q: ``[B, H_q, n, D]``; q_pos: ``[B, n]``; key/value codes and scales as :func:`quantize_keys` /
