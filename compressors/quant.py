@@ -17,6 +17,12 @@ Padding is never stored as a real token: its position is SENTINEL, it sits after
 residual window and never enters a group. When rows of a batch hold different numbers of groups, the shorter
 rows' unused group slots have SENTINEL positions (masked; their bytes exist and are counted).
 
+Bytes per stored token and KV head (``s`` = model dtype size, ``C`` = value channels per group): packed codes
+``2 * D * bits / 8``, key scale + zero ``2 * D * s / group_size``, value scale + zero ``2 * (D / C) * s``, and a
+4-byte int32 position (kept because after SnapKV each head holds different tokens); a window token costs
+``2 * D * s + 4``. At D = 64, 4 bits, group 32 in float32 that is 100 bytes against 512 (5.12x asymptotically);
+at the tiny test model's D = 16 it is 32 against 128 (4x), positions and scales weighing more.
+
 Decoding does not materialize the dequantized cache: :func:`kvcomp.kernels.quant_ref.quant_attention` walks
 the groups in blocks of ``_DECODE_BLOCK`` tokens with an online softmax, then the residual window.
 """
