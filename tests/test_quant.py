@@ -176,6 +176,27 @@ def test_blockwise_attend_equals_dense_attention_on_materialized_cache(tiny, bit
     assert sorted(real.tolist()) == sorted(p for n in lengths.tolist() for p in list(range(n)) * 2)
 
 
+def test_decoding_dequantizes_one_block_at_a_time(tiny, monkeypatch):
+    model, _ = tiny
+    monkeypatch.setattr(quant_module, "_DECODE_BLOCK", 32)
+    cache, out = prefill(model, random_ids(200, 12), Quant(bits=4, group_size=16, residual=16))
+    blocks = []
+    dequantize_keys = quant_ref.dequantize_keys
+
+    def spy(packed, *args, **kwargs):
+        blocks.append(packed.shape[2] * packed.shape[3])  # tokens dequantized by this call
+        return dequantize_keys(packed, *args, **kwargs)
+
+    def no_materialize(self, state):
+        raise AssertionError("decoding materialized the whole cache")
+
+    monkeypatch.setattr(quant_ref, "dequantize_keys", spy)
+    monkeypatch.setattr(Quant, "materialize", no_materialize)
+    for _ in decode_steps(model, cache, out, 3):
+        pass
+    assert max(blocks) == 32 and len(blocks) == 3 * 2 * (176 // 32 + 1)  # steps x layers x blocks
+
+
 def test_8_bits_stays_close_to_uncompressed(tiny):
     model, tokenizer = tiny
     ids = random_ids(200, 9)
