@@ -5,7 +5,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# OMP_NUM_THREADS wins when set: on a shared, loaded machine two threads per tiny op thrash (~6x slower).
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session")

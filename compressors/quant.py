@@ -1,0 +1,225 @@
+"""Quant: KIVI-style asymmetric integer quantization of the KV cache, with a full-precision residual window.
+
+Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024,
+https://arxiv.org/abs/2402.02750
+
+Keys are quantized per channel (each group of ``group_size`` consecutive tokens shares one scale and zero
+point per KV head and channel), values per token (each token's channels in groups of
+``min(group_size, head_dim)``). Codes are packed ``8 // bits`` to a byte; scales and zero points are stored in
+the model dtype (float32 on this CPU, bfloat16 on CUDA). The newest ``residual`` to ``residual + group_size - 1``
+tokens of each row and KV head stay in full precision: whenever the window reaches ``residual + group_size``
+tokens its oldest ``group_size`` tokens become a new quantized group, so the cache stays quantized however long
+the generation. Prefill quantizes every whole group except the tail that stays in the window.
+
+Layout and padding: each row and KV head keeps its own tokens in position order, real tokens first (so after
+SnapKV, or in a left-padded batch, a row's groups are formed over exactly the tokens it would hold alone).
+Padding is never stored as a real token: its position is SENTINEL, it sits after the real tokens of the
+residual window and never enters a group. When rows of a batch hold different numbers of groups, the shorter
+rows' unused group slots have SENTINEL positions (masked; their bytes exist and are counted).
+
+Bytes per stored token and KV head (``s`` = model dtype size, ``C`` = value channels per group): packed codes
+``2 * D * bits / 8``, key scale + zero ``2 * D * s / group_size``, value scale + zero ``2 * (D / C) * s``, and a
+4-byte int32 position (kept because after SnapKV each head holds different tokens); a window token costs
+``2 * D * s + 4``. At D = 64, 4 bits, group 32 in float32 that is 100 bytes against 512 (5.12x asymptotically);
+at the tiny test model's D = 16 it is 32 against 128 (4x), positions and scales weighing more.
+
+Decoding does not materialize the dequantized cache: :func:`kvcomp.kernels.quant_ref.quant_attention` walks
+the groups in blocks of ``_DECODE_BLOCK`` tokens with an online softmax, then the residual window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
+from kvcomp.kernels import quant_ref
+from kvcomp.selection import TokenStore, compact
+
+_DECODE_BLOCK = 1024  # tokens dequantized at a time in attend()
+
+
+@dataclass
+class QuantState:
+    """One layer's quantized KV (``N`` groups of ``G`` tokens, ``D`` head dim, ``C`` value channels per group).
+
+    key_codes, value_codes: ``[B, H_kv, N, G, D * bits / 8]`` uint8 (packed along channels);
+    key_scale, key_zero: ``[B, H_kv, N, D]``; value_scale, value_zero: ``[B, H_kv, N, G, D / C]`` (model dtype);
+    positions: ``[B, H_kv, N, G]`` int32 (SENTINEL for unused group slots);
+    residual: the full-precision window, ``[B, H_kv, R, D]`` keys/values and ``[B, H_kv, R]`` positions.
+    """
+
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+    positions: torch.Tensor
+    residual: TokenStore
+
+    def group_tensors(self) -> list[torch.Tensor]:
+        return [
+            self.key_codes,
+            self.key_scale,
+            self.key_zero,
+            self.value_codes,
+            self.value_scale,
+            self.value_zero,
+            self.positions,
+        ]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.group_tensors() + self.residual.tensors()
+
+    @property
+    def quantized_tokens(self) -> torch.Tensor:
+        """``[B, H_kv]`` tokens held in quantized groups."""
+        return (self.positions < SENTINEL).sum(dim=(2, 3))
+
+    @property
+    def residual_tokens(self) -> torch.Tensor:
+        """``[B, H_kv]`` tokens held in the full-precision window."""
+        return self.residual.valid.sum(-1)
+
+
+@dataclass
+class Quant(Compressor):
+    bits: int = 4
+    group_size: int = 32
+    residual: int = 128
+
+    capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, supports_batch=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bits, int) or isinstance(self.bits, bool) or self.bits not in quant_ref.BITS:
+            raise CompressorError(
+                f"bits must be one of {', '.join(map(str, quant_ref.BITS))}; got {self.bits!r}."
+            )
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0:
+            raise CompressorError(f"group_size must be a positive number of tokens, got {self.group_size!r}.")
+        if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
+            raise CompressorError(
+                f"residual must be a non-negative number of full-precision tokens, got {self.residual!r}."
+            )
+
+    def value_channels(self, head_dim: int) -> int:
+        """Channels per value group: ``group_size``, or the whole head when the head is smaller."""
+        channels = min(self.group_size, head_dim)
+        if head_dim % channels or head_dim * self.bits % 8:
+            raise CompressorError(
+                f"Quant(bits={self.bits}, group_size={self.group_size}) needs head_dim ({head_dim}) to be a "
+                f"multiple of the value group ({channels}) and of {8 // self.bits} codes per byte."
+            )
+        return channels
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def prefill(self, layer, q, k, v, ctx):
+        b, h, _, d = k.shape
+        g, packed, n_value_groups = self.group_size, d * self.bits // 8, d // self.value_channels(d)
+
+        def empty(*shape, dtype=k.dtype):
+            return k.new_zeros(b, h, 0, *shape, dtype=dtype)
+
+        residual = TokenStore(k[:, :, :0], v[:, :, :0], ctx.positions[:, :, :0].to(torch.int32))
+        codes = empty(g, packed, dtype=torch.uint8)
+        state = QuantState(
+            codes,
+            empty(d),
+            empty(d),
+            codes,
+            empty(g, n_value_groups),
+            empty(g, n_value_groups),
+            empty(g, dtype=torch.int32),
+            residual,
+        )
+        return self.append(layer, state, k, v, ctx)
+
+    def append(self, layer, state: QuantState, k, v, ctx):
+        # Real tokens first, in position order, per row and KV head; padding slots (SENTINEL) last.
+        window = compact(state.residual.cat(TokenStore(k, v, ctx.positions.to(torch.int32))))
+        count = window.valid.sum(-1)  # [B, H]
+        flush = (count - self.residual).clamp(min=0) // self.group_size  # whole groups to quantize, [B, H]
+        n_new = int(flush.max())
+        if n_new == 0:
+            state.residual = window
+            return state
+        b, h, _, d = k.shape
+        g = self.group_size
+        # The oldest n_new groups' worth of slots; a row flushing fewer groups marks the rest unused here
+        # (those tokens stay in its window below).
+        keys = window.keys[:, :, : n_new * g].reshape(b, h, n_new, g, d)
+        values = window.values[:, :, : n_new * g].reshape(b, h, n_new, g, d)
+        used = torch.arange(n_new, device=k.device).view(1, 1, -1) < flush.unsqueeze(-1)  # [B, H, n_new]
+        positions = window.positions[:, :, : n_new * g].reshape(b, h, n_new, g)
+        positions = positions.masked_fill(~used.unsqueeze(-1), SENTINEL)
+        kc, ks, kz = quant_ref.quantize_keys(keys, self.bits)
+        vc, vs, vz = quant_ref.quantize_values(values, self.bits, self.value_channels(d))
+        new = [kc, ks, kz, vc, vs, vz, positions]
+        groups = [torch.cat([old, t], dim=2) for old, t in zip(state.group_tensors(), new)]
+        groups = _compact_groups(groups)
+        # Drop the flushed slots from the window: shift each row left by its own flushed count.
+        length = window.positions.shape[-1]
+        index = torch.arange(length, device=k.device).view(1, 1, -1) + (flush * g).unsqueeze(-1)
+        window = compact(window.gather(index.clamp(max=length - 1), index < length))
+        return QuantState(*groups, residual=window)
+
+    def materialize(self, state: QuantState):
+        dtype = state.residual.keys.dtype
+        keys = quant_ref.dequantize_keys(state.key_codes, state.key_scale, state.key_zero, self.bits, dtype)
+        values = quant_ref.dequantize_values(
+            state.value_codes, state.value_scale, state.value_zero, self.bits, dtype
+        )
+        return (
+            torch.cat([keys.flatten(2, 3), state.residual.keys], dim=2),
+            torch.cat([values.flatten(2, 3), state.residual.values], dim=2),
+            torch.cat([state.positions.flatten(2), state.residual.positions], dim=2),
+        )
+
+    def attend(self, layer, state: QuantState, q, ctx):
+        """Blockwise dequantize-attention (see :func:`kvcomp.kernels.quant_ref.quant_attention` for what is
+        materialized at a time): equal to dense attention over :meth:`materialize`'s K/V."""
+        r = state.residual
+        return quant_ref.quant_attention(
+            q,
+            ctx.query_positions,
+            state.key_codes,
+            state.key_scale,
+            state.key_zero,
+            state.value_codes,
+            state.value_scale,
+            state.value_zero,
+            state.positions,
+            r.keys,
+            r.values,
+            r.positions,
+            self.bits,
+            ctx.scaling,
+            block_tokens=_DECODE_BLOCK,
+            sentinel=SENTINEL,
+        )
+
+    def nbytes(self, state: QuantState) -> dict[str, int]:
+        return {"device": sum(t.numel() * t.element_size() for t in state.tensors()), "host": 0, "disk": 0}
+
+    def stored_tokens(self, state: QuantState) -> torch.Tensor:
+        return state.quantized_tokens + state.residual_tokens
+
+
+def _compact_groups(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Move each row's used groups (positions < SENTINEL) first, keeping their order, and drop group slots no
+    row uses. ``groups``: QuantState's group tensors, positions last, all indexed ``[B, H, N, ...]``."""
+    used = groups[-1][..., 0] < SENTINEL  # [B, H, N]
+    if bool(used.all()):
+        return groups
+    n = used.shape[-1]
+    width = int(used.sum(-1).max())
+    order = torch.where(used, torch.arange(n, device=used.device), n + torch.arange(n, device=used.device))
+    index = order.argsort(dim=-1)[..., :width]  # [B, H, width]
+    out = []
+    for t in groups:
+        idx = index.view(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
+        out.append(t.gather(2, idx))
+    return out
