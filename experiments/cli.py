@@ -23,6 +23,19 @@ def _list(args) -> int:
     return 0
 
 
+def _parse_param(text: str) -> tuple[str, object]:
+    """``key=value`` with the value read as a Python literal when it is one (``bits=4``, ``window=None``)."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"kvcomp: --param takes key=value, got {text!r}.")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def _load(args):
     from kvcomp import load_model
 
@@ -35,7 +48,9 @@ def _generate(args) -> int:
     context = Path(args.context_file).read_text() if args.context_file else (args.context or "")
     if not context:
         raise SystemExit("kvcomp generate: give the context with --context-file FILE or --context TEXT.")
-    params = {"compression_ratio": args.compression_ratio}
+    params = dict(_parse_param(p) for p in args.param)
+    if args.compression_ratio is not None:
+        params["compression_ratio"] = args.compression_ratio
     if args.budget is not None:
         params["budget"] = args.budget
     from kvcomp.generation import resolve_compressor
@@ -84,8 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer a question about a context with a compressed cache")
     model_args(p)
     p.add_argument("--compressor", default="snapkv")
-    p.add_argument("--compression-ratio", type=float, default=0.5)
-    p.add_argument("--budget", type=int, default=None)
+    p.add_argument("--compression-ratio", type=float, default=None, help="fraction of tokens removed")
+    p.add_argument("--budget", type=int, default=None, help="tokens kept per KV head")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other hyper-parameter, e.g. --param bits=2 (repeatable)")
     p.add_argument("--context-file")
     p.add_argument("--context")
     p.add_argument("--question", default="")

@@ -1,0 +1,44 @@
+"""The `kvcomp` command, run in-process."""
+
+import json
+
+from experiments.cli import main
+
+
+def test_list_shows_every_registered_compressor(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("streaming_llm", "h2o", "snapkv", "quant"):
+        assert f"\n{name} " in "\n" + out
+    assert "compression_ratio=0.0" in out and "bits=4" in out
+
+
+def test_generate_reports_stats(capsys, tmp_path):
+    context = tmp_path / "ctx.txt"
+    context.write_text("The grass is green. The sky is blue. " * 20)
+    code = main(["generate", "--model", "tiny", "--compressor", "snapkv", "--compression-ratio", "0.75",
+                 "--context-file", str(context), "--question", "\nWhat color?", "--query-aware",
+                 "--max-new-tokens", "4"])
+    assert code == 0
+    stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert stats["compressor"] == "snapkv" and stats["query_aware"] is True
+    assert stats["memory_factor"] > 3.0
+
+
+def test_generate_with_other_parameters(capsys):
+    code = main(["generate", "--model", "tiny", "--compressor", "quant", "--param", "bits=2", "--param",
+                 "residual=0", "--context", "Some context. " * 40, "--max-new-tokens", "2"])
+    assert code == 0
+    stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert stats["memory_factor"] > 3.0
+
+
+def test_bad_compressor_is_a_clear_error(capsys):
+    assert main(["generate", "--compressor", "snapvk", "--context", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown compressor 'snapvk'" in err and "snapkv" in err
+
+
+def test_bad_parameter_is_a_clear_error(capsys):
+    assert main(["generate", "--compressor", "quant", "--compression-ratio", "0.5", "--context", "x"]) == 2
+    assert "Its parameters are: bits, group_size, residual" in capsys.readouterr().err
