@@ -48,7 +48,9 @@ def accumulated_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
         allowed = k_pos[:, :, None, None, :lim] <= q_pos[:, None, None, start:stop, None]  # [B, H_kv, 1, m, lim]
         allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding queries: finite, then zero-weighted
         probs = logits.mul_(scaling).masked_fill_(~allowed, float("-inf")).softmax(-1)
-        total[..., :lim] += torch.einsum("bhgmn,bm->bhn", probs, q_real[:, start:stop])
+        # Sum over the group and the real queries as one batched matmul (einsum here was ~30x slower on CPU).
+        weights = q_real[:, start:stop].view(b, 1, 1, m).expand(b, hkv, g, m).reshape(b, hkv, 1, g * m)
+        total[..., :lim] += torch.matmul(weights, probs.view(b, hkv, g * m, lim)).view(b, hkv, lim)
     return total
 
 
