@@ -112,6 +112,9 @@ def build_compressor(cfg: DictConfig):
     """The compressor the config names (None for the baseline), built from its dataclass."""
     from hydra.errors import InstantiationException
 
+    from kvcomp import available
+
+    available()  # loads the registry, which names the classes (a launcher's worker may not have yet)
     if cfg.compressor is None or cfg.compressor.get("_target_") is None:
         return None
     try:
