@@ -10,7 +10,8 @@ or a tree of sweeps), reads its ``config.yaml`` when present, and writes to ``OU
 * ``fidelity_vs_memory.png``: exact-match rate with the uncompressed output vs memory_factor;
 * ``time_per_sample.png``: prefill and decode seconds per sample of each run.
 
-The mode (query-aware or query-agnostic) is part of every label: the two are different experiments.
+The mode (query-aware or query-agnostic) is part of every label: the two are different experiments. Plots
+are drawn on matplotlib Figure objects (Agg canvas), without pyplot, so no display or backend is needed.
 """
 
 from __future__ import annotations
@@ -111,9 +112,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     by the first coordinate."""
     front = []
     for i, (x, y) in enumerate(points):
-        if any(
-            (x2 >= x and y2 >= y) and (x2 > x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i
-        ):
+        if any((x2 >= x and y2 >= y) and (x2 > x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i):
             continue
         front.append(i)
     return sorted(front, key=lambda i: points[i][0])
@@ -139,10 +138,11 @@ def _curves(ax, sub: pd.DataFrame, y: str) -> None:
 
 
 def plot_score_vs_memory(df: pd.DataFrame, path: Path) -> Path:
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     panels = _panels(df)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(panels), 4.2))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, sub) in zip(axes[0], panels):
         _curves(ax, sub, "score")
         ok = sub[sub.score.map(_finite) & sub.memory_factor.map(_finite)]
@@ -164,15 +164,15 @@ def plot_score_vs_memory(df: pd.DataFrame, path: Path) -> Path:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
 def plot_fidelity_vs_memory(df: pd.DataFrame, path: Path) -> Path:
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     panels = _panels(df)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(panels), 4.2))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, sub) in zip(axes[0], panels):
         _curves(ax, sub, "exact_match_rate")
         ax.set_xscale("log", base=2)
@@ -184,12 +184,11 @@ def plot_fidelity_vs_memory(df: pd.DataFrame, path: Path) -> Path:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
 def plot_time_per_sample(df: pd.DataFrame, path: Path) -> Path:
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     d = df.reset_index(drop=True)
     names = [
@@ -198,7 +197,8 @@ def plot_time_per_sample(df: pd.DataFrame, path: Path) -> Path:
     ]
     prefill = d.prefill_seconds.fillna(0.0).to_numpy()
     decode = d.decode_seconds.fillna(0.0).to_numpy()
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(d) + 1.5))
+    fig = Figure(figsize=(8, 0.35 * len(d) + 1.5))
+    ax = fig.subplots()
     ax.barh(names, prefill, label="prefill")
     ax.barh(names, decode, left=prefill, label="decode")
     ax.invert_yaxis()
@@ -207,7 +207,6 @@ def plot_time_per_sample(df: pd.DataFrame, path: Path) -> Path:
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -228,9 +227,6 @@ def to_markdown(df: pd.DataFrame) -> str:
 
 def make_report(paths: Sequence[str | Path], out_dir: str | Path) -> dict[str, Path]:
     """Write the CSV, Markdown table and plots of the runs under ``paths`` into ``out_dir``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     df = collect(paths)
     if df.empty:
         raise FileNotFoundError(f"No run directories (summary.json) under {', '.join(map(str, paths))}.")

@@ -120,7 +120,9 @@ def build_compressor(cfg: DictConfig):
     try:
         return hydra.utils.instantiate(cfg.compressor)
     except InstantiationException as err:
-        raise SystemExit(f"experiments.run: cannot build the compressor {cfg.compressor._target_}: {err}") from None
+        raise SystemExit(
+            f"experiments.run: cannot build the compressor {cfg.compressor._target_}: {err}"
+        ) from None
 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:

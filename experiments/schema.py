@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 
 @dataclass
 class ModelConfig:
-    name: Optional[str] = None  # None: the embedded SmolLM2-135M-Instruct; "tiny"; any HF id or path
+    name: str | None = None  # None: the embedded SmolLM2-135M-Instruct; "tiny"; any HF id or path
     dtype: str = "float32"
     device: str = "cpu"
 
@@ -27,12 +27,12 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = "ruler/niah_single_1"  # ruler/<task>, longbench/<task>, longbench_e/<task>
-    length: Optional[int] = 4096  # RULER: total tokens; LongBench: middle-truncation budget (None: none)
-    num_samples: Optional[int] = 20  # None: RULER 100, LongBench all
+    length: int | None = 4096  # RULER: total tokens; LongBench: middle-truncation budget (None: none)
+    num_samples: int | None = 20  # None: RULER 100, LongBench all
     seed: int = 0
-    data_dir: Optional[str] = None  # LongBench data (None: $KVCOMP_LONGBENCH_DIR)
-    chat_template: Optional[bool] = None  # None: the task's default
-    max_new_tokens: Optional[int] = None  # RULER: override the task's generation cap
+    data_dir: str | None = None  # LongBench data (None: $KVCOMP_LONGBENCH_DIR)
+    chat_template: bool | None = None  # None: the task's default
+    max_new_tokens: int | None = None  # RULER: override the task's generation cap
     options: dict[str, Any] = field(default_factory=dict)  # extra eval.ruler / eval.longbench options
 
 
@@ -40,9 +40,9 @@ class TaskConfig:
 class LoggerConfig:
     name: str = "jsonl"  # jsonl: the run directory's files only; wandb: also a wandb run
     project: str = "kvcomp"
-    entity: Optional[str] = None
+    entity: str | None = None
     mode: str = "offline"  # wandb mode: offline (default, no network or account), online, disabled
-    group: Optional[str] = None  # None: the sweep directory's name
+    group: str | None = None  # None: the sweep directory's name
     tags: list[str] = field(default_factory=list)
 
 
@@ -57,7 +57,7 @@ class RunConfig:
     fidelity: bool = True  # compare each output with the uncompressed one
     # Uncompressed references, shared by every run that points here. None: <sweep dir>/reference.jsonl in a
     # multirun, <run dir>/reference.jsonl in a single run.
-    reference_path: Optional[str] = None
+    reference_path: str | None = None
     progress: bool = False
 
 
@@ -65,7 +65,7 @@ def _optional(tp: Any) -> Any:
     # OmegaConf wants typing.Optional, not PEP 604 unions.
     args = typing.get_args(tp)
     if type(None) in args and len(args) == 2:
-        return Optional[next(a for a in args if a is not type(None))]
+        return Optional[next(a for a in args if a is not type(None))]  # noqa: UP045
     return tp
 
 
@@ -88,7 +88,7 @@ def compressor_schema(cls: type) -> type:
 
 @dataclass
 class NoCompressorConfig:
-    _target_: Optional[str] = None
+    _target_: str | None = None
 
 
 def register_configs() -> None:
