@@ -14,38 +14,16 @@ from eval.runner import load_samples, run, summarize
 
 COMPRESSORS = ("streaming_llm", "h2o", "snapkv")
 MODES = {"agnostic": False, "aware": True}
-COLUMNS = [
-    "compressor",
-    "ratio",
-    "mode",
-    "accuracy",
-    "memory_factor",
-    "exact_match",
-    "first_divergence",
-    "prefill_s",
-    "decode_s",
-    "n",
-]
+COLUMNS = ["compressor", "ratio", "mode", "accuracy", "memory_factor", "exact_match", "first_divergence",
+           "prefill_s", "decode_s", "n"]
 
 
-def run_demo(
-    model,
-    tokenizer,
-    *,
-    samples: int = 3,
-    length: int = 2048,
-    ratios=(0.5, 0.75),
-    compressors=COMPRESSORS,
-    modes=("agnostic", "aware"),
-    out_dir: str | Path = "runs/demo",
-    max_new_tokens: int = 16,
-    task: str = "ruler/niah_single_1",
-    progress: bool = True,
-) -> list[dict]:
+def run_demo(model, tokenizer, *, samples: int = 3, length: int = 2048, ratios=(0.5, 0.75),
+             compressors=COMPRESSORS, modes=("agnostic", "aware"), out_dir: str | Path = "runs/demo",
+             max_new_tokens: int = 16, task: str = "ruler/niah_single_1", progress: bool = True) -> list[dict]:
     out_dir = Path(out_dir)
-    bench = load_samples(
-        task, tokenizer, length=length, num_samples=samples, seed=0, tokens_to_generate=max_new_tokens
-    )
+    bench = load_samples(task, tokenizer, length=length, num_samples=samples, seed=0,
+                         tokens_to_generate=max_new_tokens)
     configs = [(None, 0.0)] + [(c, r) for c in compressors for r in ratios]
     rows = []
     for mode in modes:
@@ -54,35 +32,17 @@ def run_demo(
             label = name or "none"
             params = {"compression_ratio": ratio} if name else {}
             path = out_dir / f"L{length}" / f"{label}-{ratio}-{mode}.jsonl"
-            list(
-                run(
-                    model,
-                    tokenizer,
-                    bench,
-                    name,
-                    query_aware=query_aware,
-                    out_path=path,
-                    progress=progress,
-                    **params,
-                )
-            )
+            list(run(model, tokenizer, bench, name, query_aware=query_aware, out_path=path, progress=progress,
+                     **params))
             from eval.runner import load_records
 
             s = summarize(load_records(path))
-            rows.append(
-                {
-                    "compressor": label,
-                    "ratio": ratio,
-                    "mode": "query_aware" if query_aware else "query_agnostic",
-                    "accuracy": s["score"],
-                    "memory_factor": s["memory_factor"],
-                    "exact_match": s["exact_match_rate"],
-                    "first_divergence": s["mean_first_divergence"],
-                    "prefill_s": s["prefill_seconds"],
-                    "decode_s": s["decode_seconds"],
-                    "n": s["n"],
-                }
-            )
+            rows.append({
+                "compressor": label, "ratio": ratio, "mode": "query_aware" if query_aware else "query_agnostic",
+                "accuracy": s["score"], "memory_factor": s["memory_factor"],
+                "exact_match": s["exact_match_rate"], "first_divergence": s["mean_first_divergence"],
+                "prefill_s": s["prefill_seconds"], "decode_s": s["decode_seconds"], "n": s["n"],
+            })
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / f"summary-L{length}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
