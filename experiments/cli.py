@@ -42,24 +42,13 @@ def _generate(args) -> int:
 
     compressor = None if args.compressor == "none" else resolve_compressor(args.compressor, **params)
     model, tokenizer = _load(args)  # after the compressor: a bad name fails before the model loads
-    result = generate(
-        model,
-        tokenizer,
-        context,
-        args.question,
-        compressor=compressor,
-        max_new_tokens=args.max_new_tokens,
-        query_aware=args.query_aware,
-    )
+    result = generate(model, tokenizer, context, args.question, compressor=compressor,
+                      max_new_tokens=args.max_new_tokens, query_aware=args.query_aware)
     print(result.text)
     stats = {
-        "compressor": result.compressor,
-        "query_aware": result.query_aware,
-        "prompt_tokens": result.prompt_tokens[0],
-        "memory_factor": round(result.memory_factor, 3),
-        "resident_bytes": result.resident_bytes,
-        "prefill_seconds": round(result.prefill_seconds, 3),
-        "decode_seconds": round(result.decode_seconds, 3),
+        "compressor": result.compressor, "query_aware": result.query_aware, "prompt_tokens": result.prompt_tokens[0],
+        "memory_factor": round(result.memory_factor, 3), "resident_bytes": result.resident_bytes,
+        "prefill_seconds": round(result.prefill_seconds, 3), "decode_seconds": round(result.decode_seconds, 3),
         "kept_tokens_mean": round(sum(result.kept_tokens_per_layer) / len(result.kept_tokens_per_layer), 1),
         "dtype": result.dtype,
     }
@@ -72,22 +61,11 @@ def _demo(args) -> int:
 
     model, tokenizer = _load(args)
     modes = ("agnostic", "aware") if args.mode == "both" else (args.mode,)
-    rows = run_demo(
-        model,
-        tokenizer,
-        samples=args.samples,
-        length=args.length,
-        ratios=tuple(args.ratios),
-        compressors=tuple(args.compressors),
-        modes=modes,
-        out_dir=args.out,
-        max_new_tokens=args.max_new_tokens,
-    )
-    print_table(
-        rows,
-        f"Needle in a haystack (RULER niah_single_1, ~{args.length} tokens, {args.samples} samples, "
-        f"{model.config.name_or_path or 'model'}, {args.dtype})",
-    )
+    rows = run_demo(model, tokenizer, samples=args.samples, length=args.length, ratios=tuple(args.ratios),
+                    compressors=tuple(args.compressors), modes=modes, out_dir=args.out,
+                    max_new_tokens=args.max_new_tokens)
+    print_table(rows, f"Needle in a haystack (RULER niah_single_1, ~{args.length} tokens, {args.samples} samples, "
+                      f"{model.config.name_or_path or 'model'}, {args.dtype})")
     print(f"Per-sample records and summary-L{args.length}.csv are in {args.out}/ (rerun to resume).")
     return 0
 
@@ -119,9 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p):
-        p.add_argument(
-            "--model", default=None, help="HF id or path; default: the embedded SmolLM2-135M-Instruct"
-        )
+        p.add_argument("--model", default=None, help="HF id or path; default: the embedded SmolLM2-135M-Instruct")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
     p = sub.add_parser("list", help="registered compressors and their parameters")
@@ -150,20 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser(
-        "run", help="one evaluation run or a sweep (-m) with Hydra; see experiments/README.md", add_help=False
-    )
-    p.add_argument(
-        "overrides",
-        nargs=argparse.REMAINDER,
-        help="Hydra overrides, e.g. compressor=snapkv compressor.compression_ratio=0.75 (--help: Hydra's)",
-    )
+    # Hydra parses run's arguments itself (main() hands them over before argparse sees them).
+    p = sub.add_parser("run", help="one evaluation run, or a sweep with -m (Hydra); see experiments/README.md")
+    p.add_argument("overrides", nargs="*", help="e.g. compressor=snapkv compressor.compression_ratio=0.75")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("report", help="tables (CSV, Markdown) and plots from run or sweep directories")
-    p.add_argument(
-        "dirs", nargs="+", help="run directories, sweeps, or trees of them (found by summary.json)"
-    )
+    p.add_argument("dirs", nargs="+", help="run directories, sweeps, or trees of them (found by summary.json)")
     p.add_argument("--out", default="reports/latest", help="where report.csv, report.md and the PNGs go")
     p.set_defaults(func=_report)
     return parser
