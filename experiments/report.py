@@ -149,9 +149,8 @@ def plot_score_vs_memory(df: pd.DataFrame, path: Path) -> Path:
         pts = list(zip(ok.memory_factor, ok.score))
         if pts:
             front = [pts[i] for i in pareto_front(pts)]
-            ax.step(
-                [p[0] for p in front], [p[1] for p in front], where="post", color="black", lw=1, alpha=0.6
-            )
+            # The best score reachable at memory_factor >= x: a step down just before each front point.
+            ax.step([p[0] for p in front], [p[1] for p in front], where="pre", color="black", lw=1, alpha=0.6)
             ax.scatter(
                 [p[0] for p in front], [p[1] for p in front], s=120, facecolors="none", edgecolors="black",
                 label="Pareto front",
