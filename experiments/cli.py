@@ -127,12 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_demo)
 
     # Hydra parses run's arguments itself (main() hands them over before argparse sees them).
-    p = sub.add_parser("run", help="one evaluation run, or a sweep with -m (Hydra); see experiments/README.md")
+    p = sub.add_parser("run", help="one evaluation run, or a sweep with -m (Hydra); see experiments/README")
     p.add_argument("overrides", nargs="*", help="e.g. compressor=snapkv compressor.compression_ratio=0.75")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("report", help="tables (CSV, Markdown) and plots from run or sweep directories")
-    p.add_argument("dirs", nargs="+", help="run directories, sweeps, or trees of them (found by summary.json)")
+    p.add_argument("dirs", nargs="+", help="run directories, sweeps, or trees of them (with summary.json)")
     p.add_argument("--out", default="reports/latest", help="where report.csv, report.md and the PNGs go")
     p.set_defaults(func=_report)
     return parser
