@@ -128,13 +128,25 @@ def _panels(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return [(k, df[key == k]) for k in sorted(key.unique())]
 
 
-def _curves(ax, sub: pd.DataFrame, y: str) -> None:
+def _curves(ax, sub: pd.DataFrame, y: str, colors: dict[str, str]) -> None:
     for label, g in sub.groupby("label", sort=True):
         g = g[g[y].map(_finite) & g.memory_factor.map(_finite)].sort_values("memory_factor")
         if g.empty:
             continue
         style = "*" if label.startswith("none") else "o-"
-        ax.plot(g.memory_factor, g[y], style, label=label, markersize=9 if style == "*" else 5)
+        ax.plot(
+            g.memory_factor,
+            g[y],
+            style,
+            label=label,
+            color=colors[label],
+            markersize=9 if style == "*" else 5,
+        )
+
+
+def _colors(df: pd.DataFrame) -> dict[str, str]:
+    # One colour per compressor and mode across every panel.
+    return {label: f"C{i % 10}" for i, label in enumerate(sorted(df.label.unique()))}
 
 
 def plot_score_vs_memory(df: pd.DataFrame, path: Path) -> Path:
@@ -144,7 +156,7 @@ def plot_score_vs_memory(df: pd.DataFrame, path: Path) -> Path:
     fig = Figure(figsize=(5.5 * len(panels), 4.2))
     axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, sub) in zip(axes[0], panels):
-        _curves(ax, sub, "score")
+        _curves(ax, sub, "score", _colors(df))
         ok = sub[sub.score.map(_finite) & sub.memory_factor.map(_finite)]
         pts = list(zip(ok.memory_factor, ok.score))
         if pts:
@@ -173,7 +185,7 @@ def plot_fidelity_vs_memory(df: pd.DataFrame, path: Path) -> Path:
     fig = Figure(figsize=(5.5 * len(panels), 4.2))
     axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, sub) in zip(axes[0], panels):
-        _curves(ax, sub, "exact_match_rate")
+        _curves(ax, sub, "exact_match_rate", _colors(df))
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.05, 1.05)
         ax.set_xlabel("memory_factor")
