@@ -1,4 +1,4 @@
-"""The ``kvcomp`` command: list, generate, demo."""
+"""The ``kvcomp`` command: list, generate, demo, run, report."""
 
 from __future__ import annotations
 
@@ -85,6 +85,28 @@ def _demo(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    # Hydra parses its own command line: hand it the overrides as if experiments.run had been started.
+    from experiments import run
+
+    sys.argv = ["kvcomp run", *args.overrides]
+    run.main()
+    return 0
+
+
+def _report(args) -> int:
+    from experiments.report import make_report
+
+    try:
+        files = make_report(args.dirs, args.out)
+    except FileNotFoundError as err:
+        print(f"kvcomp report: {err}", file=sys.stderr)
+        return 2
+    for kind, path in files.items():
+        print(f"{kind:20s} {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcomp", description="KV-cache compression for Hugging Face LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,12 +142,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--out", default="runs/demo")
     p.set_defaults(func=_demo)
+
+    # Hydra parses run's arguments itself (main() hands them over before argparse sees them).
+    p = sub.add_parser("run", help="one evaluation run, or a sweep with -m (Hydra); see experiments/README")
+    p.add_argument("overrides", nargs="*", help="e.g. compressor=snapkv compressor.compression_ratio=0.75")
+    p.set_defaults(func=_run)
+
+    p = sub.add_parser("report", help="tables (CSV, Markdown) and plots from run or sweep directories")
+    p.add_argument("dirs", nargs="+", help="run directories, sweeps, or trees of them (with summary.json)")
+    p.add_argument("--out", default="reports/latest", help="where report.csv, report.md and the PNGs go")
+    p.set_defaults(func=_report)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from kvcomp.compressor import CompressorError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # argparse would eat Hydra's own flags (-m, --cfg, --help)
+        return _run(argparse.Namespace(overrides=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,252 @@
+"""Aggregate run directories into a table and plots: ``kvcomp report DIR [DIR...] --out OUT``.
+
+Finds every ``summary.json`` under the given directories (a run directory of ``experiments.run``, a sweep,
+or a tree of sweeps), reads its ``config.yaml`` when present, and writes to ``OUT``:
+
+* ``report.csv`` and ``report.md``: one row per run (task, length, compressor, ratio, mode, score,
+  memory_factor, fidelity, seconds per sample);
+* ``score_vs_memory.png``: score vs memory_factor, one panel per task, one curve per compressor and mode,
+  the Pareto front (no other run is both smaller and better) marked;
+* ``fidelity_vs_memory.png``: exact-match rate with the uncompressed output vs memory_factor;
+* ``time_per_sample.png``: prefill and decode seconds per sample of each run.
+
+The mode (query-aware or query-agnostic) is part of every label: the two are different experiments. Plots
+are drawn on matplotlib Figure objects (Agg canvas), without pyplot, so no display or backend is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+COLUMNS = [
+    "task", "length", "compressor", "compression_ratio", "budget", "mode", "label", "n", "score",
+    "memory_factor", "exact_match_rate", "mean_first_divergence", "agreement", "kept_tokens",
+    "context_length", "prefill_seconds", "decode_seconds", "model", "dtype", "run_dir",
+]  # fmt: skip
+MODE_SHORT = {"query_aware": "aware", "query_agnostic": "agnostic"}
+
+
+def find_runs(paths: Iterable[str | Path]) -> list[Path]:
+    """Run directories (those holding ``summary.json``) under ``paths``, sorted, without duplicates."""
+    runs = set()
+    for p in paths:
+        p = Path(p)
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: no such directory.")
+        if (p / "summary.json").is_file():
+            runs.add(p.resolve())
+        runs.update(s.parent.resolve() for s in p.rglob("summary.json"))
+    return sorted(runs)
+
+
+def _row(run_dir: Path) -> dict[str, Any]:
+    s = json.loads((run_dir / "summary.json").read_text())
+    comp = s.get("compressor") or {}
+    if not isinstance(comp, dict):  # "mixed": the run's records disagree; keep it visible
+        comp = {"name": str(comp), "params": {}}
+    params = comp.get("params") or {}
+    name = comp.get("name", "?")
+    ratio = params.get("compression_ratio")
+    mode = s.get("mode")
+    tasks = s.get("tasks") or []
+    if name == "none":
+        label = f"none ({MODE_SHORT.get(mode, mode)})"
+    else:
+        label = f"{name} ({MODE_SHORT.get(mode, mode)})"
+    return {
+        "task": s.get("task") or ",".join(tasks),
+        "length": s.get("length"),
+        "compressor": name,
+        "compression_ratio": 0.0 if name == "none" else ratio,
+        "budget": params.get("budget"),
+        "mode": mode,
+        "label": label,
+        **{k: s.get(k) for k in COLUMNS if k in s and k not in ("task", "length", "mode", "compressor")},
+        "run_dir": str(run_dir),
+    }
+
+
+def collect(paths: Iterable[str | Path] | str | Path) -> pd.DataFrame:
+    """One row per run directory found under ``paths`` (columns: :data:`COLUMNS`)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    rows = [_row(d) for d in find_runs(paths)]
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    return df.sort_values(["task", "length", "mode", "compressor", "compression_ratio"], na_position="first")
+
+
+def load_sample_records(paths: Iterable[str | Path] | str | Path) -> pd.DataFrame:
+    """Every per-sample record of the runs under ``paths``, with ``run_dir``, ``compressor_name`` and
+    ``compression_ratio`` columns, and the uncompressed ``reference_text`` when the reference file is found."""
+    from eval.runner import load_records
+
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    rows = []
+    references: dict[tuple, str] = {}
+    for run_dir in find_runs(paths):
+        meta_path = run_dir / "run_meta.json"
+        ref = json.loads(meta_path.read_text()).get("reference_path") if meta_path.is_file() else None
+        if ref and Path(ref).is_file():
+            for r in load_records(ref):
+                sid, _, model, dtype, query_aware, _ = json.loads(r["key"])
+                references[(sid, model, dtype, query_aware)] = r["text"]
+        for r in load_records(run_dir / "results.jsonl"):
+            r = dict(r)
+            r["run_dir"] = str(run_dir)
+            r["compressor_name"] = r["compressor"]["name"]
+            r["compression_ratio"] = r["compressor"]["params"].get("compression_ratio", 0.0)
+            r["reference_text"] = references.get((r["id"], r["model"], r["dtype"], r["query_aware"]))
+            rows.append(r)
+    return pd.DataFrame(rows)
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points that no other point beats on both axes (higher is better on both), sorted
+    by the first coordinate."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        if any((x2 >= x and y2 >= y) and (x2 > x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i):
+            continue
+        front.append(i)
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def _finite(v) -> bool:
+    return v is not None and not (isinstance(v, float) and (math.isnan(v) or math.isinf(v)))
+
+
+def _panels(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """One panel per task and length: a curve never mixes lengths."""
+    key = df.task + df.length.map(lambda v: f" (L={int(v)})" if _finite(v) else "")
+    return [(k, df[key == k]) for k in sorted(key.unique())]
+
+
+def _curves(ax, sub: pd.DataFrame, y: str, colors: dict[str, str]) -> None:
+    for label, g in sub.groupby("label", sort=True):
+        g = g[g[y].map(_finite) & g.memory_factor.map(_finite)].sort_values("memory_factor")
+        if g.empty:
+            continue
+        style = "*" if label.startswith("none") else "o-"
+        ax.plot(
+            g.memory_factor,
+            g[y],
+            style,
+            label=label,
+            color=colors[label],
+            markersize=9 if style == "*" else 5,
+        )
+
+
+def _colors(df: pd.DataFrame) -> dict[str, str]:
+    # One colour per compressor and mode across every panel.
+    return {label: f"C{i % 10}" for i, label in enumerate(sorted(df.label.unique()))}
+
+
+def plot_score_vs_memory(df: pd.DataFrame, path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    panels = _panels(df)
+    fig = Figure(figsize=(5.5 * len(panels), 4.2))
+    axes = fig.subplots(1, len(panels), squeeze=False)
+    for ax, (title, sub) in zip(axes[0], panels):
+        _curves(ax, sub, "score", _colors(df))
+        ok = sub[sub.score.map(_finite) & sub.memory_factor.map(_finite)]
+        pts = list(zip(ok.memory_factor, ok.score))
+        if pts:
+            front = [pts[i] for i in pareto_front(pts)]
+            # The best score reachable at memory_factor >= x: a step down just before each front point.
+            ax.step([p[0] for p in front], [p[1] for p in front], where="pre", color="black", lw=1, alpha=0.6)
+            ax.scatter(
+                [p[0] for p in front], [p[1] for p in front], s=120, facecolors="none", edgecolors="black",
+                label="Pareto front",
+            )  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("memory_factor (full KV bytes / resident bytes)")
+        ax.set_ylabel("score")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_fidelity_vs_memory(df: pd.DataFrame, path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    panels = _panels(df)
+    fig = Figure(figsize=(5.5 * len(panels), 4.2))
+    axes = fig.subplots(1, len(panels), squeeze=False)
+    for ax, (title, sub) in zip(axes[0], panels):
+        _curves(ax, sub, "exact_match_rate", _colors(df))
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("memory_factor")
+        ax.set_ylabel("exact match with uncompressed output")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_time_per_sample(df: pd.DataFrame, path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    d = df.reset_index(drop=True)
+    names = [
+        f"{r.task.split('/')[-1]} {r.label} r={r.compression_ratio if _finite(r.compression_ratio) else '-'}"
+        for r in d.itertuples()
+    ]
+    prefill = d.prefill_seconds.fillna(0.0).to_numpy()
+    decode = d.decode_seconds.fillna(0.0).to_numpy()
+    fig = Figure(figsize=(8, 0.35 * len(d) + 1.5))
+    ax = fig.subplots()
+    ax.barh(names, prefill, label="prefill")
+    ax.barh(names, decode, left=prefill, label="decode")
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per sample (mean)")
+    ax.legend()
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    cols = [c for c in COLUMNS if c not in ("run_dir", "model", "dtype", "label", "budget")]
+
+    def fmt(v) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df[cols].itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def make_report(paths: Sequence[str | Path], out_dir: str | Path) -> dict[str, Path]:
+    """Write the CSV, Markdown table and plots of the runs under ``paths`` into ``out_dir``."""
+    df = collect(paths)
+    if df.empty:
+        raise FileNotFoundError(f"No run directories (summary.json) under {', '.join(map(str, paths))}.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"csv": out / "report.csv", "markdown": out / "report.md"}
+    df.to_csv(files["csv"], index=False)
+    files["markdown"].write_text(to_markdown(df))
+    files["score_vs_memory"] = plot_score_vs_memory(df, out / "score_vs_memory.png")
+    files["fidelity_vs_memory"] = plot_fidelity_vs_memory(df, out / "fidelity_vs_memory.png")
+    files["time_per_sample"] = plot_time_per_sample(df, out / "time_per_sample.png")
+    return files
