@@ -66,4 +66,7 @@ def print_table(rows: list[dict], title: str) -> None:
 
     for r in rows:
         table.add_row(*(fmt(r[c]) for c in COLUMNS))
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log file or pipe: do not squeeze the table into 80 columns
+        console = Console(width=150)
+    console.print(table)

@@ -235,7 +235,12 @@ def test_compose_multiplies_budgets(tiny):
     assert cache.memory_factor() > 3.5
 
 
-def test_external_compressor_via_register(tiny):
+def test_external_compressor_via_register(tiny, monkeypatch):
+    from kvcomp import registry
+
+    kvcomp.available()  # load the entry points first, then register on a copy that the test throws away
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+
     @dataclasses.dataclass
     class KeepFirst(TokenSelection):
         """Keeps the oldest tokens: defined outside the package."""
