@@ -235,7 +235,7 @@ class KVCompLM(HFLM):
         return results  # type: ignore[return-value]
 
     def _record(self, parts: list[PromptParts], rows: list[list[int]], stats: dict[str, Any]) -> None:
-        resident, full, kept = cache_stats(stats["cache"], self.model.dtype)
+        resident, full, kept = cache_stats(stats["cache"])
         self.stats.append(
             {
                 "rows": len(parts),

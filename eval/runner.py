@@ -411,7 +411,7 @@ def _generate(
         model, parts, compressor, samples[0].max_new_tokens, query_aware, pad_id, stop_ids
     )
     cache = stats["cache"]
-    resident, full, _ = cache_stats(cache, model.dtype)
+    resident, full, _ = cache_stats(cache)
     if compressor is None:
         per_row = [
             float(len(p.context_ids) + len(p.question_ids) + stats["generated_steps"] - 1) for p in parts

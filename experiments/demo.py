@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from eval.runner import load_samples, run, summarize
+from eval.runner import load_records, load_samples, run, summarize
 
 COMPRESSORS = ("streaming_llm", "h2o", "snapkv")
 MODES = {"agnostic": False, "aware": True}
@@ -34,8 +34,6 @@ def run_demo(model, tokenizer, *, samples: int = 3, length: int = 2048, ratios=(
             path = out_dir / f"L{length}" / f"{label}-{ratio}-{mode}.jsonl"
             list(run(model, tokenizer, bench, name, query_aware=query_aware, out_path=path, progress=progress,
                      **params))
-            from eval.runner import load_records
-
             s = summarize(load_records(path))
             rows.append({
                 "compressor": label, "ratio": ratio, "mode": "query_aware" if query_aware else "query_agnostic",

@@ -164,7 +164,7 @@ def generate_ids(model, parts: list[PromptParts], compressor: Compressor | None,
     return rows, stats
 
 
-def cache_stats(cache, dtype: torch.dtype) -> tuple[dict[str, int], int, list[float]]:
+def cache_stats(cache) -> tuple[dict[str, int], int, list[float]]:
     """Resident bytes per tier, uncompressed bytes, and mean kept tokens per layer."""
     if isinstance(cache, CompressedCache):
         kept = [float(k.float().mean()) for k in cache.kept_tokens()]
@@ -205,7 +205,7 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows, stats = generate_ids(model, parts, compressor, max_new_tokens, query_aware, pad_id,
                                stop_token_ids(model, tokenizer))
-    resident, full, kept = cache_stats(stats["cache"], model.dtype)
+    resident, full, kept = cache_stats(stats["cache"])
     name = "none" if compressor is None else (compressor.name or type(compressor).__name__)
     return GenerationResult(
         texts=[tokenizer.decode(r, skip_special_tokens=True) for r in rows],
