@@ -149,13 +149,34 @@ def _colors(df: pd.DataFrame) -> dict[str, str]:
     return {label: f"C{i % 10}" for i, label in enumerate(sorted(df.label.unique()))}
 
 
-def plot_score_vs_memory(df: pd.DataFrame, path: Path) -> Path:
+def _panel_axes(df: pd.DataFrame):
+    """One figure with a panel per task and length; yields ``(fig, [(ax, title, rows), ...])``."""
     from matplotlib.figure import Figure
 
     panels = _panels(df)
     fig = Figure(figsize=(5.5 * len(panels), 4.2))
     axes = fig.subplots(1, len(panels), squeeze=False)
-    for ax, (title, sub) in zip(axes[0], panels):
+    return fig, [(ax, title, sub) for ax, (title, sub) in zip(axes[0], panels)]
+
+
+def _finish_axes(ax, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_score_vs_memory(df: pd.DataFrame, path: Path) -> Path:
+    fig, panels = _panel_axes(df)
+    for ax, title, sub in panels:
         _curves(ax, sub, "score", _colors(df))
         ok = sub[sub.score.map(_finite) & sub.memory_factor.map(_finite)]
         pts = list(zip(ok.memory_factor, ok.score))
@@ -167,35 +188,17 @@ def plot_score_vs_memory(df: pd.DataFrame, path: Path) -> Path:
                 [p[0] for p in front], [p[1] for p in front], s=120, facecolors="none", edgecolors="black",
                 label="Pareto front",
             )  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("memory_factor (full KV bytes / resident bytes)")
-        ax.set_ylabel("score")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+        _finish_axes(ax, title, "memory_factor (full KV bytes / resident bytes)", "score")
+    return _save(fig, path)
 
 
 def plot_fidelity_vs_memory(df: pd.DataFrame, path: Path) -> Path:
-    from matplotlib.figure import Figure
-
-    panels = _panels(df)
-    fig = Figure(figsize=(5.5 * len(panels), 4.2))
-    axes = fig.subplots(1, len(panels), squeeze=False)
-    for ax, (title, sub) in zip(axes[0], panels):
+    fig, panels = _panel_axes(df)
+    for ax, title, sub in panels:
         _curves(ax, sub, "exact_match_rate", _colors(df))
-        ax.set_xscale("log", base=2)
         ax.set_ylim(-0.05, 1.05)
-        ax.set_xlabel("memory_factor")
-        ax.set_ylabel("exact match with uncompressed output")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+        _finish_axes(ax, title, "memory_factor", "exact match with uncompressed output")
+    return _save(fig, path)
 
 
 def plot_time_per_sample(df: pd.DataFrame, path: Path) -> Path:
@@ -216,9 +219,7 @@ def plot_time_per_sample(df: pd.DataFrame, path: Path) -> Path:
     ax.set_xlabel("seconds per sample (mean)")
     ax.legend()
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, path)
 
 
 def to_markdown(df: pd.DataFrame) -> str:
