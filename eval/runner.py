@@ -44,9 +44,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from kvcomp import shared_prefill
 from kvcomp.compressor import Compressor
 from kvcomp.generation import cache_stats, generate_ids, resolve_compressor, split_prompt, stop_token_ids
 from kvcomp.metrics import fidelity
+from kvcomp.registry import name_of
 
 RULER_DEFAULT_SAMPLES = 100
 REFERENCE_FILE = "reference.jsonl"
@@ -291,7 +293,7 @@ def describe_compressor(compressor: Compressor | None) -> dict[str, Any]:
     """``{"name": ..., "params": {...}}``; ``{"name": "none", "params": {}}`` for the uncompressed baseline."""
     if compressor is None:
         return {"name": "none", "params": {}}
-    return {"name": compressor.name or type(compressor).__name__, "params": _jsonable(compressor.params())}
+    return {"name": name_of(compressor), "params": _jsonable(compressor.params())}
 
 
 def model_id(model) -> str:
@@ -410,6 +412,10 @@ def _generate(
     rows, stats = generate_ids(
         model, parts, compressor, samples[0].max_new_tokens, query_aware, pad_id, stop_ids
     )
+    return _batch_result(tokenizer, parts, rows, stats, compressor)
+
+
+def _batch_result(tokenizer, parts, rows: list[list[int]], stats: dict, compressor: Compressor | None) -> _Batch:
     cache = stats["cache"]
     resident, full, _ = cache_stats(cache)
     if compressor is None:
@@ -481,13 +487,7 @@ def run(
     if compressor is not None:
         compressor.check(batch_size)
     out_path = Path(out_path) if out_path is not None else None
-    dtype = str(model.dtype).removeprefix("torch.")
-    config = {
-        "compressor": describe_compressor(compressor),
-        "query_aware": query_aware,
-        "model": model_name or model_id(model),
-        "dtype": dtype,
-    }
+    config = _run_config(model, compressor, query_aware, model_name)
 
     done: set[str] = set()
     if out_path is not None:
@@ -503,14 +503,7 @@ def run(
     else:
         references = ReferenceStore(Path(reference))
 
-    context_limit = getattr(model.config, "max_position_embeddings", None)
-    if context_limit:
-        needed = max((s.length_tokens + s.max_new_tokens for s in task_samples.samples), default=0)
-        if needed > context_limit:
-            raise ValueError(
-                f"{task_samples.name}: samples need up to {needed} tokens (prompt + generation) but the model's "
-                f"context is {context_limit} tokens; pass a smaller length= or use a model with a longer context."
-            )
+    _check_context(model, task_samples)
     ids = [s.id for s in task_samples.samples]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{task_samples.name}: sample ids are not unique.")
@@ -533,6 +526,26 @@ def run(
         mode,
         progress,
     )
+
+
+def _run_config(model, compressor: Compressor | None, query_aware: bool, model_name: str | None) -> dict[str, Any]:
+    return {
+        "compressor": describe_compressor(compressor),
+        "query_aware": query_aware,
+        "model": model_name or model_id(model),
+        "dtype": str(model.dtype).removeprefix("torch."),
+    }
+
+
+def _check_context(model, task_samples: Task) -> None:
+    context_limit = getattr(model.config, "max_position_embeddings", None)
+    if context_limit:
+        needed = max((s.length_tokens + s.max_new_tokens for s in task_samples.samples), default=0)
+        if needed > context_limit:
+            raise ValueError(
+                f"{task_samples.name}: samples need up to {needed} tokens (prompt + generation) but the model's "
+                f"context is {context_limit} tokens; pass a smaller length= or use a model with a longer context."
+            )
 
 
 def _produce(
@@ -560,38 +573,7 @@ def _produce(
         for batch in _batches(todo, batch_size):
             out = _generate(model, tokenizer, batch, compressor, query_aware, stop_ids)
             ref_ids = _reference_ids(model, tokenizer, batch, out, compressor, references, config, stop_ids)
-            records = []
-            for i, s in enumerate(batch):
-                record = {
-                    "id": s.id,
-                    "task": s.task,
-                    "prediction": out.texts[i],
-                    "references": s.references,
-                    "score": task_samples.score(out.texts[i], s),
-                    "context_length": out.prompt_tokens[i],
-                    "length_tokens": s.length_tokens,
-                    "generated_tokens": len(out.token_ids[i]),
-                    "max_new_tokens": s.max_new_tokens,
-                    "prefill_seconds": out.prefill_seconds,
-                    "decode_seconds": out.decode_seconds,
-                    "resident_bytes": out.resident_bytes,
-                    "full_bytes": out.full_bytes,
-                    "memory_factor": out.full_bytes / out.resident_bytes["device"]
-                    if out.resident_bytes.get("device")
-                    else math.inf,
-                    "kept_tokens": out.kept_tokens[i],
-                    "batch_size": len(batch),
-                    "mode": mode,
-                    **config,
-                    "exact_match": None,
-                    "first_divergence": None,
-                    "length_change": None,
-                    "agreement": None,
-                    "metadata": s.metadata,
-                }
-                if ref_ids is not None:
-                    record.update(fidelity(out.token_ids[i], ref_ids[i]).as_dict())
-                records.append(record)
+            records = _records(task_samples, batch, out, config, mode, ref_ids)
             if out_path is not None:
                 _append(out_path, records)
             for record in records:
@@ -599,6 +581,117 @@ def _produce(
                 yield record
     finally:
         bar.close()
+
+
+def run_grid(
+    model,
+    tokenizer,
+    task_samples: Task,
+    compressors: dict[str, Compressor | str | None],
+    *,
+    query_aware: bool,
+    out_dir: str | os.PathLike,
+    model_name: str | None = None,
+    progress: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """Run every compressor of ``compressors`` (label -> Compressor, registered name or None) over the task
+    with ONE prefill per sample shared by all of them (:mod:`kvcomp.shared_prefill`: the prefill runs on
+    the full KV whatever the compressor, so each compressor only adds its compression and decoding).
+
+    Writes ``out_dir/<label>/results.jsonl`` (the records of :func:`run`, plus ``compress_seconds`` and
+    ``shared_prefill_seconds``) and ``summary.json`` per label, the layout ``kvcomp report`` reads, and the
+    uncompressed generations to ``out_dir/reference.jsonl`` for fidelity. Resumable: samples whose records
+    exist for a label are not redone. Returns the summary per label. Batch size 1.
+    """
+    if not isinstance(query_aware, bool):
+        raise TypeError(f"query_aware must be True or False, got {query_aware!r}.")
+    out_dir = Path(out_dir)
+    resolved = {label: resolve_compressor(c) for label, c in compressors.items()}
+    for compressor in resolved.values():
+        if compressor is not None:
+            compressor.check(1)
+    _check_context(model, task_samples)
+    configs, paths, done = {}, {}, {}
+    for label, compressor in resolved.items():
+        configs[label] = _run_config(model, compressor, query_aware, model_name)
+        paths[label] = out_dir / label / "results.jsonl"
+        existing = _read_jsonl(paths[label], repair=True)
+        _check_config(paths[label], existing, configs[label])
+        done[label] = {r["id"] for r in existing}
+        paths[label].parent.mkdir(parents=True, exist_ok=True)
+    references = ReferenceStore(out_dir / REFERENCE_FILE)
+    reference_model = model_name or model_id(model)
+    dtype = str(model.dtype).removeprefix("torch.")
+    stop_ids = stop_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    mode = "query_aware" if query_aware else "query_agnostic"
+
+    for s in tqdm(task_samples.samples, desc=f"{task_samples.name} x {len(resolved)} compressors ({mode})",
+                  disable=not progress):
+        key = _reference_key(s, reference_model, dtype, query_aware)
+        labels = [label for label in resolved if s.id not in done[label]]
+        if not labels and references.get(key) is not None:
+            continue
+        parts = [split_prompt(tokenizer, s.context, s.question, s.answer_prefix, s.chat_template)]
+        pre = shared_prefill.prefill(model, parts, query_aware, pad_id)
+        if references.get(key) is None:
+            ids, _ = shared_prefill.continue_from(model, pre, None, s.max_new_tokens, pad_id, stop_ids)
+            references.add([{"key": key, "id": s.id, "token_ids": ids[0],
+                             "text": tokenizer.decode(ids[0], skip_special_tokens=True)}])
+        ref_ids = [references.get(key)["token_ids"]]
+        for label in labels:
+            rows, stats = shared_prefill.continue_from(model, pre, resolved[label], s.max_new_tokens, pad_id,
+                                                       stop_ids)
+            out = _batch_result(tokenizer, parts, rows, stats, resolved[label])
+            record = _records(task_samples, [s], out, configs[label], mode, ref_ids)[0]
+            record.update(compress_seconds=stats["compress_seconds"],
+                          shared_prefill_seconds=stats["shared_prefill_seconds"])
+            _append(paths[label], [record])
+        del pre
+
+    summaries = {}
+    for label, path in paths.items():
+        summaries[label] = {**summarize(load_records(path)), "task": task_samples.name,
+                            "length": task_samples.config.get("length"), "run_dir": str(path.parent)}
+        (path.parent / "summary.json").write_text(json.dumps(_jsonable(summaries[label]), indent=2) + "\n")
+    return summaries
+
+
+def _records(task_samples: Task, batch: list[Sample], out: _Batch, config: dict, mode: str,
+             ref_ids: list[list[int]] | None) -> list[dict]:
+    records = []
+    for i, s in enumerate(batch):
+        record = {
+            "id": s.id,
+            "task": s.task,
+            "prediction": out.texts[i],
+            "references": s.references,
+            "score": task_samples.score(out.texts[i], s),
+            "context_length": out.prompt_tokens[i],
+            "length_tokens": s.length_tokens,
+            "generated_tokens": len(out.token_ids[i]),
+            "max_new_tokens": s.max_new_tokens,
+            "prefill_seconds": out.prefill_seconds,
+            "decode_seconds": out.decode_seconds,
+            "resident_bytes": out.resident_bytes,
+            "full_bytes": out.full_bytes,
+            "memory_factor": out.full_bytes / out.resident_bytes["device"]
+            if out.resident_bytes.get("device")
+            else math.inf,
+            "kept_tokens": out.kept_tokens[i],
+            "batch_size": len(batch),
+            "mode": mode,
+            **config,
+            "exact_match": None,
+            "first_divergence": None,
+            "length_change": None,
+            "agreement": None,
+            "metadata": s.metadata,
+        }
+        if ref_ids is not None:
+            record.update(fidelity(out.token_ids[i], ref_ids[i]).as_dict())
+        records.append(record)
+    return records
 
 
 def _reference_ids(

@@ -1,4 +1,4 @@
-"""The ``kvcomp`` command: list, generate, demo, run, report."""
+"""The ``kvcomp`` command: list, generate, demo, grid, run, report."""
 
 from __future__ import annotations
 
@@ -85,6 +85,23 @@ def _demo(args) -> int:
     return 0
 
 
+def _grid(args) -> int:
+    from experiments.grid import OFFLINE_RULER, run_table
+    from kvcomp.registry import get
+
+    for name in args.compressors:
+        get(name)  # an unknown name fails before the model loads
+    model, tokenizer = _load(args)
+    files = run_table(model, tokenizer, tasks=args.tasks or OFFLINE_RULER, lengths=args.lengths,
+                      samples=args.samples, compressors=args.compressors, ratios=args.ratios, modes=args.modes,
+                      out_dir=args.out, params=dict(_parse_param(p) for p in args.param),
+                      max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(files["scores_md"].read_text())
+    for kind, path in files.items():
+        print(f"{kind:20s} {path}")
+    return 0
+
+
 def _run(args) -> int:
     # Hydra parses its own command line: hand it the overrides as if experiments.run had been started.
     from experiments import run
@@ -142,6 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--out", default="runs/demo")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("grid", help="compressors x ratios x tasks x lengths x modes, one prefill per sample")
+    model_args(p)
+    p.add_argument("--tasks", nargs="+", default=None,
+                   help="RULER task names or runner task names (default: the 11 RULER tasks that need no data)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--compressors", nargs="+", default=["streaming_llm", "h2o", "snapkv"])
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
+    p.add_argument("--modes", nargs="+", default=["agnostic", "aware"], choices=["agnostic", "aware"])
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a hyper-parameter given to every compressor (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's own cap")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/grid")
+    p.set_defaults(func=_grid)
 
     # Hydra parses run's arguments itself (main() hands them over before argparse sees them).
     p = sub.add_parser("run", help="one evaluation run, or a sweep with -m (Hydra); see experiments/README")

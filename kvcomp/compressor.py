@@ -186,7 +186,9 @@ class Compose(Compressor):
             stage.check(batch_size)
 
     def params(self) -> dict[str, Any]:
-        return {"stages": [{"name": s.name or type(s).__name__, **s.params()} for s in self.stages]}
+        from kvcomp.registry import name_of  # the registry imports this module
+
+        return {"stages": [{"name": name_of(s), **s.params()} for s in self.stages]}
 
     def prefill(self, layer, q, k, v, ctx):
         state = self.stages[0].prefill(layer, q, k, v, ctx)

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from kvcomp.attention import install
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Compressor
+from kvcomp.registry import name_of
 
 
 @dataclass
@@ -139,13 +140,26 @@ def generate_ids(model, parts: list[PromptParts], compressor: Compressor | None,
                     cache=cache, use_cache=True, logits_to_keep=1)
     prefill_seconds = time.perf_counter() - t0
     prefill_kept = cache.kept_tokens() if isinstance(cache, CompressedCache) else None
+    rows, decode_seconds, steps = decode_greedy(model, cache, out.logits[:, -1], mask, max_new_tokens, stop_ids)
+    stats = dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=cache,
+                 prefill_kept=prefill_kept, generated_steps=steps)
+    return rows, stats
 
+
+def decode_greedy(model, cache, logits: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+                  stop_ids: set[int]) -> tuple[list[list[int]], float, int]:
+    """Greedy decoding from the prompt's last logits ``[B, V]`` and attention mask ``[B, T]`` over ``cache``.
+
+    Returns the generated ids per row cut before the first stop token, the seconds spent and the steps run.
+    """
+    device = logits.device
+    batch = logits.shape[0]
     generated = torch.zeros(batch, 0, dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     t0 = time.perf_counter()
     for step in range(max_new_tokens):
-        next_ids = out.logits[:, -1].argmax(-1)
+        next_ids = logits.argmax(-1)
         generated = torch.cat([generated, next_ids[:, None]], dim=1)
         done |= torch.isin(next_ids, stop)
         if bool(done.all()) or step == max_new_tokens - 1:
@@ -153,15 +167,14 @@ def generate_ids(model, parts: list[PromptParts], compressor: Compressor | None,
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
         out = model(input_ids=next_ids[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
                     cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
     decode_seconds = time.perf_counter() - t0
 
     rows = []
     for row in generated.tolist():
         cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
         rows.append(row[:cut])
-    stats = dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=cache,
-                 prefill_kept=prefill_kept, generated_steps=generated.shape[1])
-    return rows, stats
+    return rows, decode_seconds, generated.shape[1]
 
 
 def cache_stats(cache) -> tuple[dict[str, int], int, list[float]]:
@@ -206,7 +219,7 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
     rows, stats = generate_ids(model, parts, compressor, max_new_tokens, query_aware, pad_id,
                                stop_token_ids(model, tokenizer))
     resident, full, kept = cache_stats(stats["cache"])
-    name = "none" if compressor is None else (compressor.name or type(compressor).__name__)
+    name = "none" if compressor is None else name_of(compressor)
     return GenerationResult(
         texts=[tokenizer.decode(r, skip_special_tokens=True) for r in rows],
         token_ids=rows,

@@ -68,3 +68,12 @@ def create(name: str, **params) -> Compressor:
 
         fields = [f.name for f in dataclasses.fields(cls)]
         raise CompressorError(f"Bad parameters for {name!r}: {err}. Its parameters are: {', '.join(fields)}.") from None
+
+
+def name_of(compressor: Compressor) -> str:
+    """The registered name of ``compressor``'s class (its class name if it was never registered).
+
+    Loads the entry points first, so a class gets the same name whether or not anything was looked up by
+    name before (results labelled "SnapKV" in one run and "snapkv" in the next would not compare)."""
+    _load_entry_points()
+    return type(compressor).__dict__.get("name") or type(compressor).__name__

@@ -42,3 +42,27 @@ def test_bad_compressor_is_a_clear_error(capsys):
 def test_bad_parameter_is_a_clear_error(capsys):
     assert main(["generate", "--compressor", "quant", "--compression-ratio", "0.5", "--context", "x"]) == 2
     assert "Its parameters are: bits, group_size, residual" in capsys.readouterr().err
+
+
+def test_grid_writes_run_dirs_and_a_score_table(capsys, tmp_path):
+    args = ["grid", "--model", "tiny", "--tasks", "niah_single_1", "fwe", "--lengths", "1024", "--samples", "2",
+            "--compressors", "snapkv", "--ratios", "0.5", "0.75", "--modes", "aware", "--max-new-tokens", "4",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    runs = sorted(p.parent.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("summary.json"))
+    assert runs == [f"ruler_{t}/L1024/aware/{c}" for t in ("fwe", "niah_single_1")
+                    for c in ("none", "snapkv-0.5", "snapkv-0.75")]
+    for run in runs:
+        assert json.loads((tmp_path / run / "summary.json").read_text())["n"] == 2
+    table = (tmp_path / "report" / "scores.md").read_text()
+    assert "| ruler/fwe | 1024 |" in table and "snapkv 0.75 (aware)" in table and "| mean |" in table
+    assert "snapkv 0.75 (aware)" in capsys.readouterr().out
+    # Rerunning resumes: nothing left to do, the same records.
+    before = (tmp_path / "ruler_fwe/L1024/aware/snapkv-0.5/results.jsonl").read_text()
+    assert main(args) == 0
+    assert (tmp_path / "ruler_fwe/L1024/aware/snapkv-0.5/results.jsonl").read_text() == before
+
+
+def test_grid_unknown_compressor_fails_before_loading(capsys):
+    assert main(["grid", "--compressors", "snapvk"]) == 2
+    assert "Unknown compressor 'snapvk'" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from eval.runner import (
     load_records,
     load_samples,
     run,
+    run_grid,
     summarize,
     summarize_by,
 )
@@ -157,6 +158,33 @@ def test_resume_adds_only_missing_records(tiny, task, tmp_path):
         return [{k: v for k, v in r.items() if k not in timing} for r in records]
 
     assert strip(load_records(out)) == strip(load_records(whole))
+
+
+def test_run_grid_matches_one_run_per_compressor_and_resumes(tiny, task, tmp_path):
+    from compressors.h2o import H2O
+    from compressors.snapkv import SnapKV
+
+    model, tok = tiny
+    grid = {"none": None, "h2o": H2O(compression_ratio=0.5), "snapkv": SnapKV(compression_ratio=0.5)}
+    # Interrupted: a first grid over one sample, then the full grid resumes the other two.
+    first = load_samples(TASK, tok, length=512, num_samples=3, seed=0, tokens_to_generate=16)
+    first.samples = first.samples[:1]
+    run_grid(model, tok, first, {"snapkv": grid["snapkv"]}, query_aware=False, out_dir=tmp_path / "g", progress=False)
+    with pytest.raises(RunConfigMismatch):  # another compressor under a label that already has records
+        run_grid(model, tok, task, {"snapkv": "h2o"}, query_aware=False, out_dir=tmp_path / "g", progress=False)
+    summaries = run_grid(model, tok, task, grid, query_aware=False, out_dir=tmp_path / "g", progress=False)
+    assert set(summaries) == set(grid) and all(s["n"] == 3 for s in summaries.values())
+    assert len(_lines(tmp_path / "g" / REFERENCE_FILE)) == 3
+    for label, compressor in grid.items():
+        assert json.loads((tmp_path / "g" / label / "summary.json").read_text())["n"] == 3
+        alone = list(run(model, tok, task, compressor, query_aware=False, out_path=tmp_path / f"{label}.jsonl",
+                         progress=False))
+        shared = load_records(tmp_path / "g" / label / "results.jsonl")
+        assert [r["id"] for r in shared] == [s.id for s in task]
+        for a, b in zip(shared, alone):
+            for key in ("prediction", "score", "memory_factor", "kept_tokens", "exact_match", "compressor"):
+                assert a[key] == b[key], (label, key)
+            assert a["compress_seconds"] >= 0 and a["shared_prefill_seconds"] > 0
 
 
 def test_length_beyond_model_context_is_a_clear_error(tiny, task):

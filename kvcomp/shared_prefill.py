@@ -1,0 +1,138 @@
+"""One prefill, many compressors.
+
+kvcomp runs every prefill attention on the full KV and hands a compressor the layer's ``q``/``k``/``v`` only
+afterwards (:meth:`kvcomp.cache.CompressedLayer.forward`), so the prefill of a prompt is the same whatever the
+compressor: only the state each builds from it differs. A sweep over N compressors therefore needs one
+prefill per prompt, not N. :func:`prefill` runs it once and records each layer's ``q``/``k``/``v`` and
+:class:`~kvcomp.compressor.LayerContext`; :func:`continue_from` builds one compressor's cache from the records
+(calling its ``prefill`` hook exactly as the normal path does), feeds the question in query-agnostic mode and
+decodes greedily. The output is token-identical to :func:`kvcomp.generation.generate_ids` (tested for every
+compressor), because the compressor sees the same tensors.
+
+Cost: the records hold every layer's ``q``, ``k`` and ``v`` of the prefilled block at once,
+``layers x tokens x (H_q + 2 H_kv) x D x dtype bytes`` (about 470 MB for the embedded model at 4K tokens in
+float32). Compressors must not modify the tensors they are given in place (none of kvcomp's do; the
+equality test would catch one that did).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers import DynamicCache
+
+from kvcomp.attention import install
+from kvcomp.cache import CompressedCache
+from kvcomp.compressor import Capabilities, Compressor
+from kvcomp.generation import PromptParts, _left_pad, _positions, decode_greedy
+
+
+@dataclass
+class _Recorder(Compressor):
+    """Keeps what each layer's prefill hook receives; its state is the full K/V (nothing is compressed)."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(lossy=False)
+
+    def __post_init__(self) -> None:
+        self.records: dict[int, tuple] = {}
+
+    def prefill(self, layer, q, k, v, ctx):
+        self.records[layer] = (q, k, v, ctx)
+        return k, v, ctx.positions
+
+    def materialize(self, state):
+        return state
+
+    def nbytes(self, state) -> dict[str, int]:
+        k, v, positions = state
+        return {"device": k.nbytes + v.nbytes + positions.nbytes, "host": 0, "disk": 0}
+
+
+@dataclass
+class Prefilled:
+    """A prompt batch prefilled once: per-layer records and what decoding continues from."""
+
+    recorder: _Recorder
+    cache: CompressedCache  # the recording cache; its layers hold the per-row counters after the prefill
+    logits: torch.Tensor  # [B, V] logits after the prefilled block
+    mask: torch.Tensor  # [B, T] attention mask of the prefilled block
+    rest: list[list[int]] | None  # query-agnostic: the question rows, fed after compression
+    query_aware: bool
+    seconds: float
+    prompt_tokens: list[int]
+
+
+@torch.inference_mode()
+def prefill(model, parts: list[PromptParts], query_aware: bool = False, pad_id: int = 0) -> Prefilled:
+    """Prefill the context (query-agnostic) or the whole prompt (query-aware) once, on the full KV."""
+    install(model)
+    if query_aware:
+        rows = [p.context_ids + p.question_ids for p in parts]
+        question_length = [len(p.question_ids) for p in parts] if any(p.question_ids for p in parts) else None
+        rest = None
+    else:
+        rows = [p.context_ids for p in parts]
+        question_length = None
+        rest = [p.question_ids for p in parts] if any(p.question_ids for p in parts) else None
+    if not any(rows):
+        raise ValueError("Nothing to prefill: every prompt is empty.")
+    recorder = _Recorder()
+    cache = CompressedCache(model, recorder, question_length=question_length)
+    ids, mask = _left_pad(rows, pad_id)
+    mask = mask.to(model.device)
+    t0 = time.perf_counter()
+    out = model(input_ids=ids.to(model.device), attention_mask=mask, position_ids=_positions(mask),
+                cache=cache, use_cache=True, logits_to_keep=1)
+    seconds = time.perf_counter() - t0
+    return Prefilled(recorder, cache, out.logits[:, -1], mask, rest, query_aware, seconds,
+                     [len(p.context_ids) + len(p.question_ids) for p in parts])
+
+
+def _build_cache(model, pre: Prefilled, compressor: Compressor | None):
+    if compressor is None:
+        cache = DynamicCache()
+        for layer, (_, k, v, _) in sorted(pre.recorder.records.items()):
+            cache.update(k, v, layer)
+        return cache
+    compressor.check(pre.logits.shape[0])
+    cache = CompressedCache(model, compressor, question_length=pre.cache.question_length)
+    for layer, source in zip(cache.layers, pre.cache.layers):
+        q, k, v, ctx = pre.recorder.records[layer.layer_idx]
+        layer.lazy_initialization(k, v)
+        layer.seen_total = source.seen_total
+        layer.seen = source.seen.clone()
+        layer.next_position = source.next_position.clone()
+        layer.state = compressor.prefill(layer.layer_idx, q, k, v, ctx)
+    return cache
+
+
+@torch.inference_mode()
+def continue_from(model, pre: Prefilled, compressor: Compressor | None, max_new_tokens: int = 32,
+                  pad_id: int = 0, stop_ids: set[int] | None = None) -> tuple[list[list[int]], dict[str, Any]]:
+    """Compress the recorded prefill with ``compressor`` (None: uncompressed) and decode greedily.
+
+    Returns ids per row and the statistics of :func:`kvcomp.generation.generate_ids`; ``prefill_seconds`` is
+    the shared prefill's seconds plus this compressor's ``compress_seconds`` (and, query-agnostic, the
+    question block), so it is what a prefill with this compressor alone costs, up to the recording overhead.
+    """
+    stop_ids = stop_ids or set()
+    t0 = time.perf_counter()
+    cache = _build_cache(model, pre, compressor)
+    compress_seconds = time.perf_counter() - t0
+    logits, mask = pre.logits, pre.mask
+    if pre.rest is not None:
+        ids, block_mask = _left_pad(pre.rest, pad_id)
+        mask = torch.cat([mask, block_mask.to(mask.device)], dim=1)
+        out = model(input_ids=ids.to(mask.device), attention_mask=mask,
+                    position_ids=_positions(mask)[:, -ids.shape[1]:], cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+    prefill_seconds = pre.seconds + time.perf_counter() - t0
+    prefill_kept = cache.kept_tokens() if isinstance(cache, CompressedCache) else None
+    rows, decode_seconds, steps = decode_greedy(model, cache, logits, mask, max_new_tokens, stop_ids)
+    stats = dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=cache,
+                 prefill_kept=prefill_kept, generated_steps=steps, compress_seconds=compress_seconds,
+                 shared_prefill_seconds=pre.seconds)
+    return rows, stats

@@ -1,0 +1,39 @@
+"""One prefill shared by many compressors gives exactly what a prefill per compressor gives."""
+
+import pytest
+import torch
+from helpers import CONTEXTS, QUESTIONS, SELECTION_METHODS
+
+from compressors.quant import Quant
+from kvcomp.compressor import Compose
+from kvcomp.generation import generate_ids, split_prompt
+from kvcomp.shared_prefill import continue_from, prefill
+
+
+def _compressors():
+    return [None, *(m(compression_ratio=0.5) for m in SELECTION_METHODS), Quant(bits=4, group_size=8, residual=8),
+            Compose(SELECTION_METHODS[-1](compression_ratio=0.5), Quant(bits=2, group_size=8, residual=8))]
+
+
+@pytest.mark.parametrize("query_aware", [False, True])
+@pytest.mark.parametrize("rows", [[0], [0, 1, 2]])
+def test_shared_prefill_equals_one_prefill_per_compressor(tiny64, query_aware, rows):
+    model, tokenizer = tiny64
+    parts = [split_prompt(tokenizer, CONTEXTS[i], QUESTIONS[i]) for i in rows]
+    pre = prefill(model, parts, query_aware)
+    # Several compressors in a row from the same records: none may disturb what the next one sees.
+    for compressor in _compressors():
+        shared, shared_stats = continue_from(model, pre, compressor, max_new_tokens=12)
+        alone, alone_stats = generate_ids(model, parts, compressor, max_new_tokens=12, query_aware=query_aware)
+        assert shared == alone, compressor
+        if compressor is not None:
+            for a, b in zip(shared_stats["cache"].kept_tokens(), alone_stats["cache"].kept_tokens()):
+                assert torch.equal(a, b)
+            assert shared_stats["cache"].resident_bytes() == alone_stats["cache"].resident_bytes()
+            assert shared_stats["compress_seconds"] > 0
+
+
+def test_prefill_rejects_empty_prompts(tiny):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="Nothing to prefill"):
+        prefill(model, [split_prompt(tokenizer, "", "", chat_template=False)])
