@@ -1,8 +1,10 @@
 """The needle-in-a-haystack demo: no compression vs each compressor at 2x and 4x on the embedded model.
 
-Runs RULER's niah_single_1 (noise haystack, one 7-digit needle) through ``eval.runner`` in query-agnostic
-and query-aware mode; every run is a resumable JSONL file under ``out_dir`` and the table is also written
-as ``summary.csv``.
+Runs RULER's niah_single_1 (noise haystack, one 7-digit needle) in query-agnostic and query-aware mode
+through :func:`eval.runner.run_grid`: each sample is prefilled once per mode and every compressor builds its
+cache from that prefill (identical output to a prefill per compressor, several times faster). Every
+configuration is a resumable run directory under ``out_dir/L<length>/<mode>/``; the table is also written as
+``summary-L<length>.csv``. ``prefill_s`` is the shared prefill plus the compressor's own compression time.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from eval.runner import load_records, load_samples, run, summarize
+from eval.runner import load_samples, run_grid
+from kvcomp.registry import create
 
 COMPRESSORS = ("streaming_llm", "h2o", "snapkv")
 MODES = {"agnostic": False, "aware": True}
@@ -25,18 +28,14 @@ def run_demo(model, tokenizer, *, samples: int = 3, length: int = 2048, ratios=(
     bench = load_samples(task, tokenizer, length=length, num_samples=samples, seed=0,
                          tokens_to_generate=max_new_tokens)
     configs = [(None, 0.0)] + [(c, r) for c in compressors for r in ratios]
+    grid = {f"{name or 'none'}-{ratio}": name and create(name, compression_ratio=ratio) for name, ratio in configs}
     rows = []
     for mode in modes:
-        query_aware = MODES[mode]
-        for name, ratio in configs:
-            label = name or "none"
-            params = {"compression_ratio": ratio} if name else {}
-            path = out_dir / f"L{length}" / f"{label}-{ratio}-{mode}.jsonl"
-            list(run(model, tokenizer, bench, name, query_aware=query_aware, out_path=path, progress=progress,
-                     **params))
-            s = summarize(load_records(path))
+        summaries = run_grid(model, tokenizer, bench, grid, query_aware=MODES[mode],
+                             out_dir=out_dir / f"L{length}" / mode, progress=progress)
+        for (name, ratio), s in zip(configs, summaries.values()):
             rows.append({
-                "compressor": label, "ratio": ratio, "mode": "query_aware" if query_aware else "query_agnostic",
+                "compressor": name or "none", "ratio": ratio, "mode": s["mode"],
                 "accuracy": s["score"], "memory_factor": s["memory_factor"],
                 "exact_match": s["exact_match_rate"], "first_divergence": s["mean_first_divergence"],
                 "prefill_s": s["prefill_seconds"], "decode_s": s["decode_seconds"], "n": s["n"],
