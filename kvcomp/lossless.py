@@ -1,0 +1,466 @@
+"""Lossless decoding: draft with the compressed cache, verify with the full KV (VeriCache-style).
+
+Any compressor drafts; the uncompressed KV, kept in a slower tier, verifies; the output is what uncompressed
+decoding produces, token for token (greedy) or in distribution (sampling).
+
+One round, per sequence (``last`` is the newest token, not yet in either cache)::
+
+    draft:   feed [verified K/V of the previous round's accepted tokens | last] to the compressed cache,
+             snapshot it right after the verified part, then draft d_1..d_gamma one token at a time;
+    verify:  one forward of [last, d_1..d_gamma] over the full KV -> the full model's distributions;
+    accept:  greedy: the longest prefix with d_i == argmax, plus the full model's own next token;
+             sampling: d_i with probability min(1, p/q), else a token from norm(max(0, p - q));
+    commit:  the full KV keeps the K/V of [last, d_1..d_a] (the rest is cropped); the compressed cache rolls
+             back to the snapshot (undoing the drafted tokens, their evictions and re-encodings), and the
+             *verified* K/V of [last, d_1..d_a] are what it appends at the start of the next round, so the
+             draft cache never holds a drafted K/V for a committed token (no drift).
+
+Appending the verified K/V rides on the next round's first draft forward (one forward instead of two): the
+cache substitutes them for the K/V the draft model computed for those tokens (``CompressedCache.stage_verified``).
+
+Batches with ragged acceptance: every sequence keeps its own true positions (explicit ``position_ids``) and
+its own caches: the compressed cache stores per-row tokens (padding never stored); the full KV is one
+``[B, H, L, D]`` tensor per layer where a round appends ``max_b(a_b + 1)`` slots and a row that accepted fewer
+leaves masked holes (attention mask 0). A hole costs a masked slot, never a wrong position: a row's output is
+the same token ids as when it is decoded alone (tested). Holes are at most gamma per round and row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvcomp.attention import install
+from kvcomp.cache import CompressedCache
+from kvcomp.compressor import Compressor, CompressorError
+
+
+@dataclass
+class Lossless:
+    """How lossless decoding runs.
+
+    gamma: tokens drafted per round (the first round when ``adaptive``).
+    adaptive: choose gamma each round in ``[1, max_gamma]`` to maximise expected tokens per second, from the
+    running acceptance rate and the measured draft-step and verification times (Leviathan et al., 2023, Sec. 3.5).
+    tier: where the full KV lives: ``"resident"`` (a plain ``DynamicCache`` next to the model) or a slower tier
+    (see :func:`make_full_kv`).
+    """
+
+    gamma: int = 4
+    adaptive: bool = False
+    max_gamma: int = 12
+    tier: str = "resident"
+    tier_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise CompressorError(f"gamma must be a positive number of drafted tokens per round, got {self.gamma!r}.")
+        if not isinstance(self.max_gamma, int) or self.max_gamma < self.gamma:
+            raise CompressorError(f"max_gamma ({self.max_gamma!r}) must be an integer >= gamma ({self.gamma}).")
+
+
+@dataclass
+class Sampling:
+    """Temperature, then top-k, then top-p (transformers' order), applied identically to draft and target."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (use greedy decoding for 0), got {self.temperature!r}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits -> probabilities (float64, so p/q ratios are not rounding noise)."""
+        logits = logits.to(torch.float64) / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            sorted_probs = sorted_logits.softmax(-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p
+            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        return logits.softmax(-1)
+
+
+@dataclass
+class LosslessStats:
+    """Per generation. ``accepted_hist[a]``: row-rounds that accepted ``a`` drafted tokens (each round also
+    emits the full model's own token, so a round yields ``a + 1``)."""
+
+    rounds: int = 0
+    verify_passes: int = 0
+    draft_forwards: int = 0
+    drafted_tokens: int = 0  # per row, summed over rows
+    accepted_tokens: int = 0
+    accepted_hist: dict[int, int] = field(default_factory=dict)
+    gammas: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    bytes_in: int = 0  # brought in from the slow tier for verification
+    transfer_seconds: float = 0.0  # spent waiting for the slow tier (not hidden behind drafting/compute)
+    prefetch_seconds: float = 0.0  # transfers that ran while the draft model was busy (hidden)
+    full_kv_bytes: dict[str, int] = field(default_factory=dict)
+    holes: int = 0  # masked slots left in the full KV by ragged batch acceptance
+
+    @property
+    def mean_accepted(self) -> float:
+        row_rounds = sum(self.accepted_hist.values())
+        return self.accepted_tokens / row_rounds if row_rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "verify_passes": self.verify_passes,
+            "draft_forwards": self.draft_forwards,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_accepted": self.mean_accepted,
+            "mean_tokens_per_round": self.mean_accepted + 1 if self.accepted_hist else 0.0,
+            "acceptance_rate": self.acceptance_rate,
+            "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
+            "gammas": dict(Counter(self.gammas)),
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "commit_seconds": self.commit_seconds,
+            "bytes_in": self.bytes_in,
+            "transfer_seconds": self.transfer_seconds,
+            "prefetch_seconds": self.prefetch_seconds,
+            "full_kv_bytes": self.full_kv_bytes,
+            "holes": self.holes,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the full KV
+
+
+class ResidentFullKV:
+    """The full KV in a plain ``transformers.DynamicCache`` (resident; nothing is transferred)."""
+
+    def __init__(self, model):
+        self.cache = DynamicCache()
+        self.bytes_in = 0
+        self.transfer_seconds = 0.0
+        self.prefetch_seconds = 0.0
+
+    def tee(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.update(k, v, layer)
+
+    def prefetch(self) -> None:
+        """Start bringing the KV in for the next verification (nothing to do when resident)."""
+
+    def new_kv(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K/V ``[B, H_kv, n, D]`` per layer of the last ``n`` tokens the model appended."""
+        return [lay.keys[:, :, -n:] for lay in self.cache.layers], [lay.values[:, :, -n:] for lay in self.cache.layers]
+
+    def drop_last(self, n: int) -> None:
+        if n:
+            for lay in self.cache.layers:
+                lay.crop(-n)
+
+    def nbytes(self) -> dict[str, int]:
+        total = sum(lay.keys.nbytes + lay.values.nbytes for lay in self.cache.layers if lay.is_initialized)
+        return {"device": total, "host": 0, "disk": 0}
+
+    def close(self) -> None:
+        pass
+
+
+def make_full_kv(model, config: Lossless):
+    if config.tier == "resident":
+        return ResidentFullKV(model)
+    from kvcomp.lossless_tiers import TieredFullKV
+
+    return TieredFullKV(model, config.tier, **config.tier_options)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gamma
+
+
+class GammaController:
+    """Fixed gamma, or the gamma maximising expected tokens per second: a round drafting g tokens yields
+    ``(1 - alpha^(g+1)) / (1 - alpha)`` tokens in expectation and costs ``g * t_draft + t_verify``."""
+
+    def __init__(self, config: Lossless):
+        self.config = config
+        self.accepted = 0
+        self.rejections = 0
+        self.t_draft: float | None = None
+        self.t_verify: float | None = None
+
+    def update(self, accepted: torch.Tensor, gamma: int, draft_s: float, verify_s: float) -> None:
+        self.accepted += int(accepted.sum())
+        self.rejections += int((accepted < gamma).sum())
+        ema = 0.7
+        step = draft_s / gamma
+        self.t_draft = step if self.t_draft is None else ema * self.t_draft + (1 - ema) * step
+        self.t_verify = verify_s if self.t_verify is None else ema * self.t_verify + (1 - ema) * verify_s
+
+    def next(self) -> int:
+        cfg = self.config
+        if not cfg.adaptive or self.t_draft is None:
+            return cfg.gamma
+        # Per-token acceptance, the maximum-likelihood estimate from accepted prefixes (with a weak prior).
+        alpha = (self.accepted + 1) / (self.accepted + self.rejections + 2)
+        alpha = min(alpha, 0.999)
+
+        def rate(g: int) -> float:
+            return (1 - alpha ** (g + 1)) / (1 - alpha) / (g * self.t_draft + self.t_verify)
+
+        return max(range(1, cfg.max_gamma + 1), key=rate)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decoding
+
+
+def _choose(scores: torch.Tensor, sampling: Sampling | None, gen: torch.Generator | None) -> tuple[torch.Tensor, Any]:
+    """Next token per row from ``[B, V]`` logits, and the draft distribution (sampling) or None."""
+    if sampling is None:
+        return scores.argmax(-1), None
+    probs = sampling.probs(scores)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(1), probs
+
+
+@torch.inference_mode()
+def lossless_decode(
+    model,
+    blocks: list[tuple[torch.Tensor, torch.Tensor]],
+    compressor: Compressor,
+    config: Lossless | None = None,
+    max_new_tokens: int = 32,
+    stop_ids: set[int] | None = None,
+    sampling: Sampling | None = None,
+    question_length: list[int] | None = None,
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Decode with ``compressor`` drafting and the full KV verifying; returns ids per row and statistics.
+
+    ``blocks``: the prompt as left-padded ``(ids [B, n], mask [B, n])`` blocks. The first is prefilled once:
+    the compressed cache is built from it while the full KV receives its K/V (``CompressedCache.tee``). Later
+    blocks (the question, query-agnostic) run on the full KV only; their verified K/V reach the compressed
+    cache like accepted tokens do. So every logit that picks a token comes from uncompressed attention.
+    """
+    config = config or Lossless()
+    if compressor is None:
+        raise CompressorError("Lossless decoding needs a compressor to draft with; got None.")
+    install(model)
+    stop_ids = stop_ids or set()
+    device = model.device
+    batch = blocks[0][0].shape[0]
+    compressor.check(batch)
+    draft = CompressedCache(model, compressor, question_length=question_length)
+    full = make_full_kv(model, config)
+    stats = LosslessStats()
+    gen = None if sampling is None else torch.Generator(device=device).manual_seed(sampling.seed)
+    gamma_ctl = GammaController(config)
+
+    # -- prefill ---------------------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    ids, mask = (t.to(device) for t in blocks[0])
+    draft.tee = full.tee
+    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), cache=draft, use_cache=True,
+                logits_to_keep=1)
+    draft.tee = None
+    draft_mask = mask.clone()
+    full_mask = mask.clone()
+    next_pos = mask.sum(1)  # [B] position of the next real token of each row
+    # Verified K/V (and their ids, validity, positions) waiting to be appended to the compressed cache.
+    pend_k, pend_v = None, None
+    pend_ids = torch.zeros(batch, 0, dtype=torch.long, device=device)
+    pend_valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+    pend_pos = torch.zeros(batch, 0, dtype=torch.long, device=device)
+    for ids, mask in blocks[1:]:
+        ids, mask = ids.to(device), mask.to(device)
+        n = ids.shape[1]
+        full_mask = torch.cat([full_mask, mask], dim=1)
+        pos = next_pos.view(-1, 1) + (mask.cumsum(1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=full_mask, position_ids=pos, cache=full.cache, use_cache=True,
+                    logits_to_keep=1)
+        k_new, v_new = full.new_kv(n)
+        pend_k = k_new if pend_k is None else [torch.cat(p, dim=2) for p in zip(pend_k, k_new)]
+        pend_v = v_new if pend_v is None else [torch.cat(p, dim=2) for p in zip(pend_v, v_new)]
+        pend_ids = torch.cat([pend_ids, ids], dim=1)
+        pend_valid = torch.cat([pend_valid, mask.bool()], dim=1)
+        pend_pos = torch.cat([pend_pos, pos], dim=1)
+        next_pos = next_pos + mask.sum(1)
+    prefill_seconds = time.perf_counter() - t0
+
+    last, _ = _choose(out.logits[:, -1], sampling, gen)
+    generated: list[list[int]] = [[t] for t in last.tolist()]
+    finished = [t in stop_ids or max_new_tokens <= 1 for t in last.tolist()]
+
+    # -- rounds ----------------------------------------------------------------------------------------------
+    t_decode = time.perf_counter()
+    while not all(finished):
+        needed = max(max_new_tokens - len(g) for g, f in zip(generated, finished) if not f)
+        gamma = min(gamma_ctl.next(), needed - 1)
+        full.prefetch()  # the full KV streams in while the draft model works
+        t0 = time.perf_counter()
+        drafts = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        q_probs = []
+        snapshots = None
+        width_at_snapshot = draft_mask.shape[1]
+        if gamma > 0:
+            # Step 1: the verified tokens of the previous round, then `last`.
+            if pend_k is None:
+                snapshots = draft.checkpoint()
+            else:
+                draft.stage_verified(pend_k, pend_v)
+            step_ids = torch.cat([pend_ids, last.view(-1, 1)], dim=1)
+            step_valid = torch.cat([pend_valid, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
+            step_pos = torch.cat([pend_pos, next_pos.view(-1, 1)], dim=1)
+            width_at_snapshot += pend_ids.shape[1]
+            for i in range(gamma):
+                draft_mask = torch.cat([draft_mask, step_valid.long()], dim=1)
+                out = model(input_ids=step_ids, attention_mask=draft_mask, position_ids=step_pos, cache=draft,
+                            use_cache=True, logits_to_keep=1)
+                stats.draft_forwards += 1
+                if snapshots is None:
+                    snapshots = draft.take_snapshots()
+                token, q = _choose(out.logits[:, -1], sampling, gen)
+                drafts = torch.cat([drafts, token.view(-1, 1)], dim=1)
+                if q is not None:
+                    q_probs.append(q)
+                step_ids = token.view(-1, 1)
+                step_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
+                step_pos = next_pos.view(-1, 1) + i + 1
+        draft_s = time.perf_counter() - t0
+
+        # -- verify: one forward of [last, d_1..d_gamma] over the full KV -----------------------------------
+        t0 = time.perf_counter()
+        v_ids = torch.cat([last.view(-1, 1), drafts], dim=1)
+        n = gamma + 1
+        verify_mask = torch.cat([full_mask, torch.ones(batch, n, dtype=full_mask.dtype, device=device)], dim=1)
+        v_pos = next_pos.view(-1, 1) + torch.arange(n, device=device)
+        out = model(input_ids=v_ids, attention_mask=verify_mask, position_ids=v_pos, cache=full.cache,
+                    use_cache=True, logits_to_keep=n)
+        logits = out.logits  # [B, n, V]
+        if sampling is None:
+            target = logits.argmax(-1)  # [B, n]
+            match = (drafts == target[:, :gamma]).long().cumprod(dim=1)
+            accepted = match.sum(1)  # [B]
+            bonus = target.gather(1, accepted.view(-1, 1)).squeeze(1)
+        else:
+            accepted, bonus = _speculative_sample(sampling.probs(logits), q_probs, drafts, gen)
+        verify_s = time.perf_counter() - t0
+
+        # -- commit -------------------------------------------------------------------------------------------
+        t0 = time.perf_counter()
+        keep = accepted + 1  # [B] verified tokens per row: last, d_1..d_a
+        kept = int(keep.max())
+        k_new, v_new = full.new_kv(n)
+        k_new, v_new = [k[:, :, :kept] for k in k_new], [v[:, :, :kept] for v in v_new]
+        full.drop_last(n - kept)
+        slot = torch.arange(kept, device=device)
+        valid = slot.view(1, -1) < keep.view(-1, 1)
+        full_mask = torch.cat([full_mask, valid.to(full_mask.dtype)], dim=1)
+        stats.holes += int((~valid).sum())
+        if snapshots is None and pend_k is not None:
+            # Nothing was drafted (gamma 0), so the earlier verified tokens are still waiting: keep them.
+            pend_k = [torch.cat(p, dim=2) for p in zip(pend_k, k_new)]
+            pend_v = [torch.cat(p, dim=2) for p in zip(pend_v, v_new)]
+            pend_ids = torch.cat([pend_ids, v_ids[:, :kept]], dim=1)
+            pend_valid = torch.cat([pend_valid, valid], dim=1)
+            pend_pos = torch.cat([pend_pos, next_pos.view(-1, 1) + slot], dim=1)
+        else:
+            pend_k, pend_v, pend_ids, pend_valid = k_new, v_new, v_ids[:, :kept], valid
+            pend_pos = next_pos.view(-1, 1) + slot
+        if snapshots is not None:
+            draft.rollback(snapshots)
+            draft_mask = draft_mask[:, :width_at_snapshot]
+        next_pos = next_pos + keep
+        for b, (row, a, t_bonus) in enumerate(zip(drafts.tolist(), accepted.tolist(), bonus.tolist())):
+            if finished[b]:
+                continue
+            for t in row[:a] + [t_bonus]:
+                generated[b].append(t)
+                if t in stop_ids or len(generated[b]) >= max_new_tokens:
+                    finished[b] = True
+                    break
+        last = bonus
+        stats.commit_seconds += time.perf_counter() - t0
+
+        stats.rounds += 1
+        stats.verify_passes += 1
+        stats.gammas.append(gamma)
+        stats.drafted_tokens += gamma * batch
+        stats.accepted_tokens += int(accepted.sum())
+        for a in accepted.tolist():
+            stats.accepted_hist[a] = stats.accepted_hist.get(a, 0) + 1
+        stats.draft_seconds += draft_s
+        stats.verify_seconds += verify_s
+        if gamma > 0:
+            gamma_ctl.update(accepted, gamma, draft_s, verify_s)
+    decode_seconds = time.perf_counter() - t_decode
+
+    stats.bytes_in = full.bytes_in
+    stats.transfer_seconds = full.transfer_seconds
+    stats.prefetch_seconds = full.prefetch_seconds
+    stats.full_kv_bytes = full.nbytes()
+    full.close()
+    rows = []
+    for row in generated:
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
+        rows.append(row[:cut][:max_new_tokens])
+    return rows, dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=draft,
+                      generated_steps=max(len(g) for g in generated), lossless=stats)
+
+
+def _speculative_sample(p: torch.Tensor, q_probs: list[torch.Tensor], drafts: torch.Tensor,
+                        gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard rule (Leviathan et al., 2023; Chen et al., 2023), per row.
+
+    p: ``[B, gamma + 1, V]`` target probabilities; q_probs: gamma ``[B, V]`` draft probabilities; drafts:
+    ``[B, gamma]``. Returns accepted counts ``[B]`` and the token each row emits after its accepted prefix.
+    """
+    batch, n, _ = p.shape
+    gamma = n - 1
+    if gamma == 0:
+        return torch.zeros(batch, dtype=torch.long, device=p.device), torch.multinomial(p[:, 0], 1, generator=gen)[:, 0]
+    q = torch.stack(q_probs, dim=1)  # [B, gamma, V]
+    p_d = p[:, :gamma].gather(2, drafts.unsqueeze(-1)).squeeze(-1)
+    q_d = q.gather(2, drafts.unsqueeze(-1)).squeeze(-1)
+    r = torch.rand(batch, gamma, generator=gen, device=p.device, dtype=p.dtype)
+    ok = r * q_d < p_d  # r < p/q, without dividing
+    accepted = ok.long().cumprod(dim=1).sum(1)
+    at = accepted.clamp(max=gamma - 1).view(-1, 1, 1).expand(-1, 1, p.shape[-1])
+    residual = (p[:, :gamma].gather(1, at) - q.gather(1, at)).clamp(min=0).squeeze(1)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-300), p[:, :gamma].gather(1, at).squeeze(1))
+    dist = torch.where((accepted == gamma).view(-1, 1), p[:, gamma], residual)
+    return accepted, torch.multinomial(dist, 1, generator=gen).squeeze(1)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def bound_note(stats: LosslessStats, tokens: int) -> str:
+    """What bounds the speed, from measured times (for reports)."""
+    total = stats.draft_seconds + stats.verify_seconds + stats.commit_seconds
+    if not total or not tokens:
+        return ""
+    parts = {"draft": stats.draft_seconds, "verify": stats.verify_seconds, "commit": stats.commit_seconds}
+    top = max(parts, key=parts.get)
+    return f"{top} {parts[top] / total:.0%} of decode time; {tokens / total:.1f} tok/s; " + \
+        f"{stats.mean_accepted + 1:.2f} tokens/round"
+
+
