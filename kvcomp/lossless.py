@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcomp.attention import install
 from kvcomp.cache import CompressedCache
@@ -111,7 +112,7 @@ class LosslessStats:
     commit_seconds: float = 0.0
     bytes_in: int = 0  # brought in from the slow tier for verification
     transfer_seconds: float = 0.0  # spent waiting for the slow tier (not hidden behind drafting/compute)
-    prefetch_seconds: float = 0.0  # transfers that ran while the draft model was busy (hidden)
+    read_seconds: float = 0.0  # time the reads took; read_seconds - transfer_seconds was hidden behind compute
     full_kv_bytes: dict[str, int] = field(default_factory=dict)
     holes: int = 0  # masked slots left in the full KV by ragged batch acceptance
 
@@ -141,7 +142,7 @@ class LosslessStats:
             "commit_seconds": self.commit_seconds,
             "bytes_in": self.bytes_in,
             "transfer_seconds": self.transfer_seconds,
-            "prefetch_seconds": self.prefetch_seconds,
+            "read_seconds": self.read_seconds,
             "full_kv_bytes": self.full_kv_bytes,
             "holes": self.holes,
         }
@@ -152,28 +153,33 @@ class LosslessStats:
 
 
 class ResidentFullKV:
-    """The full KV in a plain ``transformers.DynamicCache`` (resident; nothing is transferred)."""
+    """The full KV in a plain ``transformers.DynamicCache`` next to the model (nothing is transferred).
+
+    The interface every full-KV holder has: ``cache`` (what the model runs on), ``tee`` (prefill K/V from the
+    compressed cache's forward), ``prefetch`` (start bringing the KV in for the next forward), ``new_kv`` /
+    ``commit`` (the K/V of the last forward's tokens; keep the first ``kept`` of them), ``nbytes``, ``close``
+    and the transfer counters."""
 
     def __init__(self, model):
         self.cache = DynamicCache()
         self.bytes_in = 0
         self.transfer_seconds = 0.0
-        self.prefetch_seconds = 0.0
+        self.read_seconds = 0.0
 
     def tee(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.cache.update(k, v, layer)
 
     def prefetch(self) -> None:
-        """Start bringing the KV in for the next verification (nothing to do when resident)."""
+        pass
 
     def new_kv(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """K/V ``[B, H_kv, n, D]`` per layer of the last ``n`` tokens the model appended."""
+        """K/V ``[B, H_kv, n, D]`` per layer of the ``n`` tokens of the last forward."""
         return [lay.keys[:, :, -n:] for lay in self.cache.layers], [lay.values[:, :, -n:] for lay in self.cache.layers]
 
-    def drop_last(self, n: int) -> None:
-        if n:
+    def commit(self, n: int, kept: int) -> None:
+        if n > kept:
             for lay in self.cache.layers:
-                lay.crop(-n)
+                lay.crop(kept - n)
 
     def nbytes(self) -> dict[str, int]:
         total = sum(lay.keys.nbytes + lay.values.nbytes for lay in self.cache.layers if lay.is_initialized)
@@ -183,11 +189,125 @@ class ResidentFullKV:
         pass
 
 
+class _TierLayer(CacheLayerMixin):
+    """A verification layer over a :class:`TieredFullKV`: past K/V come from the tier (prefetched), the new
+    tokens' K/V stay in memory until ``commit`` appends the accepted ones (rejected drafts never reach the tier)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, owner: TieredFullKV, layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.new = (key_states, value_states)
+        past = self.owner.fetch(self.layer_idx)
+        if past is None:
+            return key_states, value_states
+        return torch.cat([past[0], key_states], dim=2), torch.cat([past[1], value_states], dim=2)
+
+    def get_seq_length(self) -> int:
+        return self.owner.tier.length(self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class TieredFullKV:
+    """The full KV in a slower tier of :mod:`kvcomp.tiers` (``"host"``, ``"disk"``, or ``"ram"``), streamed in
+    layer by layer for each verification.
+
+    ``prefetch()`` (called when a round starts drafting) queues reads of the first ``window`` layers on the
+    tiers' background worker; each layer the verification forward consumes queues the read of the layer
+    ``window`` further, so at most ``window`` layers of full KV are in memory at once (``window=0``: all).
+    ``transfer_seconds`` is the time the verification waited for reads (not hidden); ``read_seconds`` the time
+    the reads took; the difference ran while the draft model or earlier layers computed.
+    This adapter uses only ``Tier.append/read/length/nbytes/close`` and ``tiers.shared_worker``: whole-layer
+    reads are contiguous (``read``), which the Prefetcher's index ``gather`` would do slower, and a sliding
+    window of reads needs more than its one outstanding request.
+    """
+
+    def __init__(self, model, tier: str = "disk", window: int = 0, **tier_options):
+        from kvcomp.tiers import make_tier
+
+        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self.tier = make_tier(tier, device=model.device, **tier_options)
+        self.cache = Cache(layers=[_TierLayer(self, i) for i in range(n_layers)])
+        self.n_layers = n_layers
+        self.window = window if window > 0 else n_layers
+        self._reads: dict[int, Any] = {}
+        self.bytes_in = 0
+        self.transfer_seconds = 0.0
+        self.read_seconds = 0.0
+
+    def tee(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.tier.append(layer, k, v)
+
+    def _read(self, layer: int):
+        t0 = time.perf_counter()
+        k, v = self.tier.read(layer)
+        return k, v, time.perf_counter() - t0
+
+    def _submit(self, layer: int) -> None:
+        from kvcomp.tiers import shared_worker
+
+        if layer < self.n_layers and layer not in self._reads and self.tier.length(layer) > 0:
+            self._reads[layer] = shared_worker().submit(self._read, layer)
+
+    def prefetch(self) -> None:
+        for layer in range(self.window):
+            self._submit(layer)
+
+    def fetch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self._submit(layer)  # a miss (no prefetch): read now
+        future = self._reads.pop(layer, None)
+        if future is None:
+            return None
+        t0 = time.perf_counter()
+        k, v, read_s = future.result()
+        self.transfer_seconds += time.perf_counter() - t0
+        self.read_seconds += read_s
+        self.bytes_in += k.numel() * k.element_size() + v.numel() * v.element_size()
+        self._submit(layer + self.window)
+        return k, v
+
+    def new_kv(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [lay.new[0] for lay in self.cache.layers], [lay.new[1] for lay in self.cache.layers]
+
+    def commit(self, n: int, kept: int) -> None:
+        for lay in self.cache.layers:
+            k, v = lay.new
+            self.tier.append(lay.layer_idx, k[:, :, :kept], v[:, :, :kept])
+            lay.new = None
+
+    def nbytes(self) -> dict[str, int]:
+        return {"device": 0, "host": 0, "disk": 0, self.tier.kind: self.tier.nbytes()}
+
+    def close(self) -> None:
+        for future in self._reads.values():
+            future.result()
+        self._reads.clear()
+        self.tier.close()
+
+
 def make_full_kv(model, config: Lossless):
+    """Where verification's full KV lives: ``"resident"`` (a DynamicCache) or a :mod:`kvcomp.tiers` tier."""
     if config.tier == "resident":
         return ResidentFullKV(model)
-    from kvcomp.lossless_tiers import TieredFullKV
-
     return TieredFullKV(model, config.tier, **config.tier_options)
 
 
@@ -295,6 +415,7 @@ def lossless_decode(
         out = model(input_ids=ids, attention_mask=full_mask, position_ids=pos, cache=full.cache, use_cache=True,
                     logits_to_keep=1)
         k_new, v_new = full.new_kv(n)
+        full.commit(n, n)
         pend_k = k_new if pend_k is None else [torch.cat(p, dim=2) for p in zip(pend_k, k_new)]
         pend_v = v_new if pend_v is None else [torch.cat(p, dim=2) for p in zip(pend_v, v_new)]
         pend_ids = torch.cat([pend_ids, ids], dim=1)
@@ -368,7 +489,7 @@ def lossless_decode(
         kept = int(keep.max())
         k_new, v_new = full.new_kv(n)
         k_new, v_new = [k[:, :, :kept] for k in k_new], [v[:, :, :kept] for v in v_new]
-        full.drop_last(n - kept)
+        full.commit(n, kept)
         slot = torch.arange(kept, device=device)
         valid = slot.view(1, -1) < keep.view(-1, 1)
         full_mask = torch.cat([full_mask, valid.to(full_mask.dtype)], dim=1)
@@ -413,7 +534,7 @@ def lossless_decode(
 
     stats.bytes_in = full.bytes_in
     stats.transfer_seconds = full.transfer_seconds
-    stats.prefetch_seconds = full.prefetch_seconds
+    stats.read_seconds = full.read_seconds
     stats.full_kv_bytes = full.nbytes()
     full.close()
     rows = []
