@@ -26,6 +26,11 @@ compressor, parameters, mode, model or dtype is refused (:class:`RunConfigMismat
 With ``batch_size > 1`` samples are generated as one left-padded batch: the timing, resident bytes,
 full bytes and ``memory_factor`` of a record are those of its batch (``batch_size`` says how many rows);
 ``kept_tokens`` and fidelity are per sample.
+
+``lossless=True`` (or a :class:`kvcomp.lossless.Lossless`) drafts with the compressor and verifies with the
+full KV: fidelity must then be exact, and each record carries ``lossless_stats`` (rounds, accepted-length
+histogram, verification passes, bytes brought in from the slow tier, draft/verify/transfer seconds; per batch,
+like the timings). Resident bytes then include the full KV, under the tier that holds it.
 """
 
 from __future__ import annotations
@@ -45,13 +50,22 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcomp.compressor import Compressor
-from kvcomp.generation import cache_stats, generate_ids, resolve_compressor, split_prompt, stop_token_ids
+from kvcomp.generation import (
+    add_full_kv_bytes,
+    cache_stats,
+    generate_ids,
+    lossless_config,
+    resolve_compressor,
+    split_prompt,
+    stop_token_ids,
+)
+from kvcomp.lossless import Lossless
 from kvcomp.metrics import fidelity
 
 RULER_DEFAULT_SAMPLES = 100
 REFERENCE_FILE = "reference.jsonl"
 # The fields of a record that must agree between runs appending to the same file.
-CONFIG_FIELDS = ("compressor", "query_aware", "model", "dtype")
+CONFIG_FIELDS = ("compressor", "query_aware", "model", "dtype", "lossless")
 
 
 class RunConfigMismatch(ValueError):
@@ -391,6 +405,7 @@ class _Batch:
     decode_seconds: float
     resident_bytes: dict[str, int]
     full_bytes: int
+    lossless: dict[str, Any] | None = None
 
 
 def _generate(
@@ -400,6 +415,7 @@ def _generate(
     compressor: Compressor | None,
     query_aware: bool,
     stop_ids: set[int],
+    lossless: Lossless | None = None,
 ) -> _Batch:
     parts = [
         split_prompt(tokenizer, s.context, s.question, s.answer_prefix, s.chat_template) for s in samples
@@ -408,10 +424,12 @@ def _generate(
         compressor.check(len(parts))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows, stats = generate_ids(
-        model, parts, compressor, samples[0].max_new_tokens, query_aware, pad_id, stop_ids
+        model, parts, compressor, samples[0].max_new_tokens, query_aware, pad_id, stop_ids, lossless
     )
     cache = stats["cache"]
     resident, full, _ = cache_stats(cache)
+    if "lossless" in stats:
+        resident = add_full_kv_bytes(resident, stats["lossless"])
     if compressor is None:
         per_row = [
             float(len(p.context_ids) + len(p.question_ids) + stats["generated_steps"] - 1) for p in parts
@@ -428,6 +446,7 @@ def _generate(
         decode_seconds=stats["decode_seconds"],
         resident_bytes=resident,
         full_bytes=full,
+        lossless=stats["lossless"].as_dict() if "lossless" in stats else None,
     )
 
 
@@ -455,6 +474,7 @@ def run(
     reference: str | os.PathLike | None = "auto",
     model_name: str | None = None,
     progress: bool = True,
+    lossless: bool | Lossless = False,
     **compressor_params,
 ) -> Iterator[dict]:
     """Generate every sample of ``task_samples`` with ``compressor`` and yield one record per sample.
@@ -480,6 +500,9 @@ def run(
     compressor = resolve_compressor(compressor, **compressor_params)
     if compressor is not None:
         compressor.check(batch_size)
+    lossless = lossless_config(lossless)
+    if lossless is not None and compressor is None:
+        raise ValueError("lossless=True drafts with a compressor; the uncompressed baseline needs none.")
     out_path = Path(out_path) if out_path is not None else None
     dtype = str(model.dtype).removeprefix("torch.")
     config = {
@@ -487,6 +510,7 @@ def run(
         "query_aware": query_aware,
         "model": model_name or model_id(model),
         "dtype": dtype,
+        "lossless": None if lossless is None else _jsonable(lossless),
     }
 
     done: set[str] = set()
@@ -532,6 +556,7 @@ def run(
         stop_ids,
         mode,
         progress,
+        lossless,
     )
 
 
@@ -549,6 +574,7 @@ def _produce(
     stop_ids: set[int],
     mode: str,
     progress: bool,
+    lossless: Lossless | None = None,
 ) -> Iterator[dict]:
     bar = tqdm(
         total=len(task_samples.samples),
@@ -558,7 +584,7 @@ def _produce(
     )
     try:
         for batch in _batches(todo, batch_size):
-            out = _generate(model, tokenizer, batch, compressor, query_aware, stop_ids)
+            out = _generate(model, tokenizer, batch, compressor, query_aware, stop_ids, lossless)
             ref_ids = _reference_ids(model, tokenizer, batch, out, compressor, references, config, stop_ids)
             records = []
             for i, s in enumerate(batch):
@@ -581,6 +607,7 @@ def _produce(
                     else math.inf,
                     "kept_tokens": out.kept_tokens[i],
                     "batch_size": len(batch),
+                    "lossless_stats": out.lossless,
                     "mode": mode,
                     **config,
                     "exact_match": None,
@@ -678,6 +705,10 @@ def summarize(records: Iterable[dict]) -> dict[str, Any]:
         "agreement": _mean(r.get("agreement") for r in with_fidelity),
         "prefill_seconds": _mean(r["prefill_seconds"] for r in records),
         "decode_seconds": _mean(r["decode_seconds"] for r in records),
+        "lossless": _label(records, "lossless"),
+        "mean_tokens_per_round": _mean(
+            (r.get("lossless_stats") or {}).get("mean_tokens_per_round") for r in records
+        ),
     }
 
 

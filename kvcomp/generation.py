@@ -188,6 +188,14 @@ def cache_stats(cache) -> tuple[dict[str, int], int, list[float]]:
     return {"device": resident, "host": 0, "disk": 0}, resident, kept
 
 
+def add_full_kv_bytes(resident: dict[str, int], stats) -> dict[str, int]:
+    """Lossless decoding keeps the full KV too: add its bytes to the tier that holds it."""
+    total = dict(resident)
+    for tier, n in stats.full_kv_bytes.items():
+        total[tier] = total.get(tier, 0) + n
+    return total
+
+
 def resolve_compressor(compressor: Compressor | str | None, **params) -> Compressor | None:
     if compressor is None or compressor == "none":
         return None
@@ -230,6 +238,8 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
     rows, stats = generate_ids(model, parts, compressor, max_new_tokens, query_aware, pad_id,
                                stop_token_ids(model, tokenizer), config, sampling)
     resident, full, kept = cache_stats(stats["cache"])
+    if "lossless" in stats:
+        resident = add_full_kv_bytes(resident, stats["lossless"])
     name = "none" if compressor is None else (compressor.name or type(compressor).__name__)
     return GenerationResult(
         texts=[tokenizer.decode(r, skip_special_tokens=True) for r in rows],

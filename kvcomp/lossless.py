@@ -542,7 +542,7 @@ def lossless_decode(
         cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
         rows.append(row[:cut][:max_new_tokens])
     return rows, dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=draft,
-                      generated_steps=max(len(g) for g in generated), lossless=stats)
+                      generated_steps=max(len(g) for g in generated), lossless=stats, raw=generated)
 
 
 def _speculative_sample(p: torch.Tensor, q_probs: list[torch.Tensor], drafts: torch.Tensor,
@@ -585,3 +585,60 @@ def bound_note(stats: LosslessStats, tokens: int) -> str:
         f"{stats.mean_accepted + 1:.2f} tokens/round"
 
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# transformers' generate(custom_generate=...)
+
+_WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
+
+
+def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
+                    generation_config=None, synced_gpus: bool = False, streamer=None, compressor=None,
+                    gamma: int | None = None, lossless: Lossless | None = None, seed: int = 0,
+                    **model_kwargs) -> torch.Tensor:
+    """A decoding loop for ``model.generate(ids, custom_generate=custom_generate, compressor=..., gamma=...)``.
+
+    Greedy or sampling as ``generation_config`` says (``do_sample``, ``temperature``, ``top_k``, ``top_p``;
+    ``seed`` seeds the sampler); stops at ``max_new_tokens``/``max_length`` and the EOS ids. Returns the
+    sequences like ``generate`` does (prompt, then new tokens; rows that stopped early padded after EOS).
+    Logits processors other than those warpers (repetition penalty, ...) are refused rather than ignored.
+    """
+    if compressor is None:
+        raise CompressorError("custom_generate needs compressor=<a Compressor> to draft with.")
+    if isinstance(compressor, str):
+        from kvcomp.registry import create
+
+        compressor = create(compressor)
+    others = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in _WARPERS]
+    if others:
+        raise ValueError(f"Lossless decoding applies temperature/top-k/top-p only; got logits processors {others}.")
+    cfg = generation_config
+    config = lossless or Lossless()
+    if gamma is not None:
+        config = Lossless(**{**config.__dict__, "gamma": gamma, "max_gamma": max(gamma, config.max_gamma)})
+    sampling = None
+    if cfg.do_sample:
+        sampling = Sampling(cfg.temperature or 1.0, cfg.top_k or 0, cfg.top_p if cfg.top_p is not None else 1.0,
+                            seed)
+    eos = cfg.eos_token_id
+    stop_ids = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    if isinstance(eos, torch.Tensor):
+        stop_ids = {int(e) for e in eos.flatten().tolist()}
+    mask = model_kwargs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    max_new_tokens = cfg.max_length - input_ids.shape[1]
+    _, stats = lossless_decode(model, [(input_ids, mask)], compressor, config, max_new_tokens, stop_ids, sampling)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (min(stop_ids) if stop_ids else 0)
+    rows = []
+    for row in stats["raw"]:
+        row = row[:max_new_tokens]
+        cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
+        rows.append(row[:cut])
+    width = max(len(r) for r in rows)
+    new = torch.full((len(rows), width), int(pad), dtype=torch.long, device=input_ids.device)
+    for i, r in enumerate(rows):
+        new[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    model.last_lossless_stats = stats["lossless"]  # the statistics of the last call, for inspection
+    return torch.cat([input_ids, new], dim=1)
