@@ -551,6 +551,58 @@ def lossless_decode(
                       generated_steps=max(len(g) for g in generated), lossless=stats, raw=generated)
 
 
+@torch.inference_mode()
+def full_kv_decode(model, blocks: list[tuple[torch.Tensor, torch.Tensor]], config: Lossless, max_new_tokens: int = 32,
+                   stop_ids: set[int] | None = None) -> tuple[list[list[int]], dict[str, Any]]:
+    """Uncompressed greedy decoding with the full KV where ``config.tier`` puts it, one token per forward: the
+    baseline lossless decoding is measured against (same tier, same streaming, no drafting)."""
+    install(model)
+    stop_ids = stop_ids or set()
+    device = model.device
+    full = make_full_kv(model, config)
+    stats = LosslessStats()
+    t0 = time.perf_counter()
+    mask = torch.zeros(blocks[0][0].shape[0], 0, dtype=torch.long, device=device)
+    next_pos = torch.zeros(blocks[0][0].shape[0], dtype=torch.long, device=device)
+    for ids, block_mask in blocks:
+        ids, block_mask = ids.to(device), block_mask.to(device)
+        mask = torch.cat([mask, block_mask], dim=1)
+        pos = next_pos.view(-1, 1) + (block_mask.cumsum(1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=full.cache, use_cache=True,
+                    logits_to_keep=1)
+        full.commit(ids.shape[1], ids.shape[1])
+        next_pos = next_pos + block_mask.sum(1)
+    prefill_seconds = time.perf_counter() - t0
+    batch = mask.shape[0]
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    finished = [False] * batch
+    t_decode = time.perf_counter()
+    while True:
+        token = out.logits[:, -1].argmax(-1)
+        for b, t in enumerate(token.tolist()):
+            if not finished[b]:
+                generated[b].append(t)
+                finished[b] = t in stop_ids or len(generated[b]) >= max_new_tokens
+        if all(finished):
+            break
+        full.prefetch()
+        t0 = time.perf_counter()
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
+        out = model(input_ids=token.view(-1, 1), attention_mask=mask, position_ids=next_pos.view(-1, 1),
+                    cache=full.cache, use_cache=True, logits_to_keep=1)
+        full.commit(1, 1)
+        next_pos = next_pos + 1
+        stats.verify_passes += 1
+        stats.verify_seconds += time.perf_counter() - t0
+    decode_seconds = time.perf_counter() - t_decode
+    stats.bytes_in, stats.transfer_seconds, stats.read_seconds = full.bytes_in, full.transfer_seconds, full.read_seconds
+    stats.full_kv_bytes = full.nbytes()
+    full.close()
+    rows = [row[: next((i for i, t in enumerate(row) if t in stop_ids), len(row))] for row in generated]
+    return rows, dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, lossless=stats, raw=generated,
+                      generated_steps=max(len(g) for g in generated))
+
+
 def _speculative_sample(p: torch.Tensor, q_probs: list[torch.Tensor], drafts: torch.Tensor,
                         gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """The standard rule (Leviathan et al., 2023; Chen et al., 2023), per row.
