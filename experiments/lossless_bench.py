@@ -69,7 +69,7 @@ def run(args) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stops = stop_token_ids(model, tokenizer) if args.stop_at_eos else set()
     drafters = [parse_drafter(s) for s in args.drafters]
-    tier_options = {"window": args.window}
+    tier_options = {"window": args.window, "overlap": not args.no_overlap}
     rows: list[dict] = []
     for length in args.lengths:
         task = load_samples(args.task, tokenizer, length=length, num_samples=args.samples, seed=args.seed)
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-gamma", type=int, default=12)
     p.add_argument("--tier", default="disk", choices=["ram", "host", "disk"])
     p.add_argument("--window", type=int, default=0, help="layers of full KV read ahead (0: all)")
+    p.add_argument("--no-overlap", action="store_true", help="read each layer only when verification needs it")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", default="reports/lossless_bench")
     return run(p.parse_args(argv))

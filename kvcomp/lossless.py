@@ -18,6 +18,21 @@ One round, per sequence (``last`` is the newest token, not yet in either cache):
 Appending the verified K/V rides on the next round's first draft forward (one forward instead of two): the
 cache substitutes them for the K/V the draft model computed for those tokens (``CompressedCache.stage_verified``).
 
+Rollback: ``Compressor.checkpoint/rollback`` snapshot a layer state (free for states whose ``append`` builds new
+tensors, a deep copy otherwise), and ``CompressedLayer`` restores its counters (tokens seen, next position).
+The verified tokens' queries in that first draft forward update decode-time statistics (H2O) as plain decoding
+would; on a GPU the extra tokens cost nothing (memory-bound), on a CPU about their compute.
+
+The full KV in a slower tier (``Lossless(tier="disk" | "host" | "ram")``, :class:`TieredFullKV`): only
+verified tokens are appended to it (rejected drafts never reach it, so nothing is cropped there). When a round
+starts drafting, reads of the first ``window`` layers are queued on the tiers' background worker; the
+verification forward takes each layer as it reaches it and queues the read ``window`` layers ahead. What
+overlaps: the reads with the gamma draft forwards (all of them, when the tier is fast enough), then with the
+compute of earlier layers during verification. Measured per generation: ``read_seconds`` (what the reads took)
+against ``transfer_seconds`` (what verification waited for them); ``overlap=False`` in ``tier_options`` reads
+each layer only when needed, the no-overlap reference. On CUDA the copies run on a side stream. On a CPU the
+worker thread competes with the model for cores, so "hidden" transfers can still slow compute down.
+
 Batches with ragged acceptance: every sequence keeps its own true positions (explicit ``position_ids``) and
 its own caches: the compressed cache stores per-row tokens (padding never stored); the full KV is one
 ``[B, H, L, D]`` tensor per layer where a round appends ``max_b(a_b + 1)`` slots and a row that accepted fewer
@@ -247,7 +262,7 @@ class TieredFullKV:
     window of reads needs more than its one outstanding request.
     """
 
-    def __init__(self, model, tier: str = "disk", window: int = 0, **tier_options):
+    def __init__(self, model, tier: str = "disk", window: int = 0, overlap: bool = True, **tier_options):
         from kvcomp.tiers import make_tier
 
         n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
@@ -255,6 +270,7 @@ class TieredFullKV:
         self.cache = Cache(layers=[_TierLayer(self, i) for i in range(n_layers)])
         self.n_layers = n_layers
         self.window = window if window > 0 else n_layers
+        self.overlap = overlap  # False: read each layer when the forward needs it (measures what overlap buys)
         self._reads: dict[int, Any] = {}
         # On CUDA the copies run on a side stream, so they overlap the model's kernels (the default stream
         # would serialise them); the consumer waits on each read's event.
@@ -285,8 +301,9 @@ class TieredFullKV:
             self._reads[layer] = shared_worker().submit(self._read, layer)
 
     def prefetch(self) -> None:
-        for layer in range(self.window):
-            self._submit(layer)
+        if self.overlap:
+            for layer in range(self.window):
+                self._submit(layer)
 
     def fetch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         self._submit(layer)  # a miss (no prefetch): read now
@@ -303,7 +320,8 @@ class TieredFullKV:
         self.transfer_seconds += time.perf_counter() - t0
         self.read_seconds += read_s
         self.bytes_in += k.numel() * k.element_size() + v.numel() * v.element_size()
-        self._submit(layer + self.window)
+        if self.overlap:
+            self._submit(layer + self.window)
         return k, v
 
     def new_kv(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
