@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ from compressors.h2o import H2O
 from compressors.quant import Quant
 from compressors.snapkv import SnapKV
 from compressors.streaming_llm import StreamingLLM
-from kvcomp import Compose, CompressedCache, generate
+from kvcomp import Capabilities, Compose, CompressedCache, Compressor, generate
+from kvcomp.compressor import SENTINEL
 from kvcomp.lossless import Lossless, Sampling, custom_generate
 from tests.helpers import CONTEXTS, QUESTIONS
 
@@ -183,6 +186,59 @@ def test_rollback_equals_a_state_built_without_the_rejected_tokens(model64, name
         _forward(model, drafted, accepted[:, i : i + 1], 40 + i)
         _forward(model, clean, accepted[:, i : i + 1], 40 + i)
     _assert_same_state(drafted, clean)
+
+
+@dataclass
+class InPlaceRing(Compressor):
+    """The last ``size`` tokens in a ring buffer written in place, with no checkpoint/rollback of its own:
+    the base class's default (a deep copy) must make it lossless anyway."""
+
+    size: int = 12
+    capabilities: ClassVar[Capabilities] = Capabilities(decode_time=True, supports_batch=False)
+
+    def prefill(self, layer, q, k, v, ctx):
+        b, h, _, d = k.shape
+        state = {"keys": k.new_zeros(b, h, self.size, d), "values": k.new_zeros(b, h, self.size, d),
+                 "positions": torch.full((b, h, self.size), SENTINEL, dtype=torch.long), "next": [0]}
+        return self.append(layer, state, k, v, ctx)
+
+    def append(self, layer, state, k, v, ctx):
+        for i in range(k.shape[2]):
+            slot = state["next"][0] % self.size
+            state["keys"][:, :, slot] = k[:, :, i]
+            state["values"][:, :, slot] = v[:, :, i]
+            state["positions"][:, :, slot] = ctx.positions[:, :, i]
+            state["next"][0] += 1
+        return state
+
+    def materialize(self, state):
+        return state["keys"], state["values"], state["positions"]
+
+    def nbytes(self, state):
+        return {"device": sum(t.nbytes for t in (state["keys"], state["values"], state["positions"])), "host": 0,
+                "disk": 0}
+
+
+def test_default_rollback_makes_an_in_place_method_lossless(model64):
+    model, tokenizer = model64
+    contexts, questions = prompts(3)
+    for c, q in zip(contexts, questions):
+        ref = generate(model, tokenizer, c, q, compressor=None, max_new_tokens=NEW_TOKENS)
+        out = generate(model, tokenizer, c, q, compressor=InPlaceRing(), max_new_tokens=NEW_TOKENS, lossless=True,
+                       gamma=3)
+        assert out.token_ids == ref.token_ids and out.lossless["accepted_tokens"] < out.lossless["drafted_tokens"]
+    gen = torch.Generator().manual_seed(2)
+    prompt, rejected = torch.randint(10, 40000, (1, 30), generator=gen), torch.randint(10, 40000, (1, 5), generator=gen)
+    drafted, clean = CompressedCache(model, InPlaceRing()), CompressedCache(model, InPlaceRing())
+    _forward(model, drafted, prompt, 0)
+    _forward(model, clean, prompt, 0)
+    before = drafted.checkpoint()
+    for i in range(5):
+        _forward(model, drafted, rejected[:, i : i + 1], 30 + i)
+    drafted.rollback(before)
+    for a, b in zip(drafted.layers, clean.layers):
+        assert all(torch.equal(a.state[key], b.state[key]) for key in ("keys", "values", "positions"))
+        assert a.state["next"] == b.state["next"] and a.seen_total == b.seen_total
 
 
 @pytest.mark.parametrize("name", ["h2o", "quant"])
