@@ -194,8 +194,10 @@ class ResidentFullKV:
         pass
 
     def new_kv(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """K/V ``[B, H_kv, n, D]`` per layer of the ``n`` tokens of the last forward."""
-        return [lay.keys[:, :, -n:] for lay in self.cache.layers], [lay.values[:, :, -n:] for lay in self.cache.layers]
+        """K/V ``[B, H_kv, n, D]`` per layer of the ``n`` tokens of the last forward (copies: a view would keep
+        the whole old cache tensor alive after the next forward grows it)."""
+        layers = self.cache.layers
+        return [lay.keys[:, :, -n:].clone() for lay in layers], [lay.values[:, :, -n:].clone() for lay in layers]
 
     def commit(self, n: int, kept: int) -> None:
         if n > kept:
