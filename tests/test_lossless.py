@@ -8,6 +8,7 @@ argmax can only differ when the decoding logic is wrong, not through a float32 n
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -415,3 +416,16 @@ def test_hydra_config_has_lossless_keys():
     assert cfg.lossless is True and cfg.gamma == 6 and cfg.kv_tier == "disk"
     with pytest.raises(Exception, match="gamma"):
         compose([*TINY_TASK, "gamma=many"])
+
+
+def test_cli_generate_lossless(capsys):
+    from experiments.cli import main
+
+    args = ["generate", "--model", "tiny", "--compressor", "snapkv", "--compression-ratio", "0.9", "--context",
+            CONTEXTS[0], "--question", QUESTIONS[0], "--max-new-tokens", "6"]
+    assert main([*args, "--lossless", "--gamma", "3"]) == 0
+    out = capsys.readouterr()
+    stats = json.loads(out.err.strip().splitlines()[-1])
+    assert stats["lossless"]["rounds"] > 0
+    assert main([*args, "--compressor", "none"]) == 0
+    assert out.out == capsys.readouterr().out  # the lossless answer is the uncompressed one
