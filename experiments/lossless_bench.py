@@ -74,19 +74,29 @@ def run(args) -> dict:
     for length in args.lengths:
         task = load_samples(args.task, tokenizer, length=length, num_samples=args.samples, seed=args.seed)
         for sample in task.samples:
-            parts = [split_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix,
-                                  sample.chat_template)]
+            parts = [
+                split_prompt(
+                    tokenizer, sample.context, sample.question, sample.answer_prefix, sample.chat_template
+                )
+            ]
             blocks = blocks_of(parts, args.query_aware, pad_id)
             prompt_tokens = sum(b[0].shape[1] for b in blocks)
             base = dict(length=length, sample=sample.id, prompt_tokens=prompt_tokens)
 
-            ids, stats = generate_ids(model, parts, None, args.max_new_tokens, args.query_aware, pad_id, stops)
+            ids, stats = generate_ids(
+                model, parts, None, args.max_new_tokens, args.query_aware, pad_id, stops
+            )
             reference = stats["generated_steps"], ids[0]
             rows.append(_row(base, "resident", ids[0], reference[1], stats))
             print(_line(rows[-1]), flush=True)
 
-            cfg = Lossless(gamma=args.gamma, adaptive=args.adaptive, max_gamma=max(args.gamma, args.max_gamma),
-                           tier=args.tier, tier_options=tier_options)
+            cfg = Lossless(
+                gamma=args.gamma,
+                adaptive=args.adaptive,
+                max_gamma=max(args.gamma, args.max_gamma),
+                tier=args.tier,
+                tier_options=tier_options,
+            )
             ids, stats = full_kv_decode(model, blocks, cfg, args.max_new_tokens, stops)
             rows.append(_row(base, f"tiered/{args.tier}", ids[0], reference[1], stats))
             print(_line(rows[-1]), flush=True)
@@ -135,12 +145,16 @@ def _row(base: dict, method: str, ids: list[int], reference: list[int], stats: d
 def _line(r: dict) -> str:
     extra = ""
     if r["rounds"]:
-        extra = (f" acc/round {r['mean_accepted']:.2f} draft {r['draft_seconds']:.2f}s verify {r['verify_seconds']:.2f}s"
-                 f" wait {r['transfer_wait_seconds']:.2f}s read {r['read_seconds']:.2f}s")
+        extra = (
+            f" acc/round {r['mean_accepted']:.2f} draft {r['draft_seconds']:.2f}s verify {r['verify_seconds']:.2f}s"
+            f" wait {r['transfer_wait_seconds']:.2f}s read {r['read_seconds']:.2f}s"
+        )
     elif r["read_seconds"] is not None:
         extra = f" verify {r['verify_seconds']:.2f}s wait {r['transfer_wait_seconds']:.2f}s read {r['read_seconds']:.2f}s"
-    return (f"L={r['length']} {r['method']:<22} exact={r['exact_match']!s:<5} "
-            f"{r['decode_tokens_per_s']:.2f} tok/s prefill {r['prefill_seconds']:.1f}s{extra}")
+    return (
+        f"L={r['length']} {r['method']:<22} exact={r['exact_match']!s:<5} "
+        f"{r['decode_tokens_per_s']:.2f} tok/s prefill {r['prefill_seconds']:.1f}s{extra}"
+    )
 
 
 def summarize(rows: list[dict], args) -> dict:
@@ -184,8 +198,11 @@ def summarize(rows: list[dict], args) -> dict:
         results.append(entry)
     return {
         "config": dict(vars(args)),
-        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
-                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "machine": {
+            "platform": platform.platform(),
+            "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "results": results,
     }
@@ -209,7 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-gamma", type=int, default=12)
     p.add_argument("--tier", default="disk", choices=["ram", "host", "disk"])
     p.add_argument("--window", type=int, default=0, help="layers of full KV read ahead (0: all)")
-    p.add_argument("--no-overlap", action="store_true", help="read each layer only when verification needs it")
+    p.add_argument(
+        "--no-overlap", action="store_true", help="read each layer only when verification needs it"
+    )
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", default="reports/lossless_bench")
     return run(p.parse_args(argv))

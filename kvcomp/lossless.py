@@ -75,9 +75,13 @@ class Lossless:
 
     def __post_init__(self) -> None:
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
-            raise CompressorError(f"gamma must be a positive number of drafted tokens per round, got {self.gamma!r}.")
+            raise CompressorError(
+                f"gamma must be a positive number of drafted tokens per round, got {self.gamma!r}."
+            )
         if not isinstance(self.max_gamma, int) or self.max_gamma < self.gamma:
-            raise CompressorError(f"max_gamma ({self.max_gamma!r}) must be an integer >= gamma ({self.gamma}).")
+            raise CompressorError(
+                f"max_gamma ({self.max_gamma!r}) must be an integer >= gamma ({self.gamma})."
+            )
 
 
 @dataclass
@@ -91,7 +95,9 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (use greedy decoding for 0), got {self.temperature!r}.")
+            raise ValueError(
+                f"temperature must be > 0 (use greedy decoding for 0), got {self.temperature!r}."
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}.")
 
@@ -133,7 +139,9 @@ class LosslessStats:
     commit_seconds: float = 0.0
     bytes_in: int = 0  # brought in from the slow tier for verification
     transfer_seconds: float = 0.0  # spent waiting for the slow tier (not hidden behind drafting/compute)
-    read_seconds: float = 0.0  # time the reads took; read_seconds - transfer_seconds was hidden behind compute
+    read_seconds: float = (
+        0.0  # time the reads took; read_seconds - transfer_seconds was hidden behind compute
+    )
     full_kv_bytes: dict[str, int] = field(default_factory=dict)
     holes: int = 0  # masked slots left in the full KV by ragged batch acceptance
 
@@ -197,7 +205,9 @@ class ResidentFullKV:
         """K/V ``[B, H_kv, n, D]`` per layer of the ``n`` tokens of the last forward (copies: a view would keep
         the whole old cache tensor alive after the next forward grows it)."""
         layers = self.cache.layers
-        return [lay.keys[:, :, -n:].clone() for lay in layers], [lay.values[:, :, -n:].clone() for lay in layers]
+        return [lay.keys[:, :, -n:].clone() for lay in layers], [
+            lay.values[:, :, -n:].clone() for lay in layers
+        ]
 
     def commit(self, n: int, kept: int) -> None:
         if n > kept:
@@ -272,7 +282,9 @@ class TieredFullKV:
         self.cache = Cache(layers=[_TierLayer(self, i) for i in range(n_layers)])
         self.n_layers = n_layers
         self.window = window if window > 0 else n_layers
-        self.overlap = overlap  # False: read each layer when the forward needs it (measures what overlap buys)
+        self.overlap = (
+            overlap  # False: read each layer when the forward needs it (measures what overlap buys)
+        )
         self._reads: dict[int, Any] = {}
         # On CUDA the copies run on a side stream, so they overlap the model's kernels (the default stream
         # would serialise them); the consumer waits on each read's event.
@@ -393,7 +405,9 @@ class GammaController:
 # decoding
 
 
-def _choose(scores: torch.Tensor, sampling: Sampling | None, gen: torch.Generator | None) -> tuple[torch.Tensor, Any]:
+def _choose(
+    scores: torch.Tensor, sampling: Sampling | None, gen: torch.Generator | None
+) -> tuple[torch.Tensor, Any]:
     """Next token per row from ``[B, V]`` logits, and the draft distribution (sampling) or None."""
     if sampling is None:
         return scores.argmax(-1), None
@@ -437,8 +451,14 @@ def lossless_decode(
     t0 = time.perf_counter()
     ids, mask = (t.to(device) for t in blocks[0])
     draft.tee = full.tee
-    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), cache=draft, use_cache=True,
-                logits_to_keep=1)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=_positions(mask),
+        cache=draft,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     draft.tee = None
     draft_mask = mask.clone()
     full_mask = mask.clone()
@@ -453,8 +473,14 @@ def lossless_decode(
         n = ids.shape[1]
         full_mask = torch.cat([full_mask, mask], dim=1)
         pos = next_pos.view(-1, 1) + (mask.cumsum(1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=full_mask, position_ids=pos, cache=full.cache, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=ids,
+            attention_mask=full_mask,
+            position_ids=pos,
+            cache=full.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         k_new, v_new = full.new_kv(n)
         full.commit(n, n)
         pend_k = k_new if pend_k is None else [torch.cat(p, dim=2) for p in zip(pend_k, k_new)]
@@ -492,8 +518,14 @@ def lossless_decode(
             width_at_snapshot += pend_ids.shape[1]
             for i in range(gamma):
                 draft_mask = torch.cat([draft_mask, step_valid.long()], dim=1)
-                out = model(input_ids=step_ids, attention_mask=draft_mask, position_ids=step_pos, cache=draft,
-                            use_cache=True, logits_to_keep=1)
+                out = model(
+                    input_ids=step_ids,
+                    attention_mask=draft_mask,
+                    position_ids=step_pos,
+                    cache=draft,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
                 stats.draft_forwards += 1
                 if snapshots is None:
                     snapshots = draft.take_snapshots()
@@ -511,10 +543,18 @@ def lossless_decode(
         t0 = time.perf_counter()
         v_ids = torch.cat([last.view(-1, 1), drafts], dim=1)
         n = gamma + 1
-        verify_mask = torch.cat([full_mask, torch.ones(batch, n, dtype=full_mask.dtype, device=device)], dim=1)
+        verify_mask = torch.cat(
+            [full_mask, torch.ones(batch, n, dtype=full_mask.dtype, device=device)], dim=1
+        )
         v_pos = next_pos.view(-1, 1) + torch.arange(n, device=device)
-        out = model(input_ids=v_ids, attention_mask=verify_mask, position_ids=v_pos, cache=full.cache,
-                    use_cache=True, logits_to_keep=n)
+        out = model(
+            input_ids=v_ids,
+            attention_mask=verify_mask,
+            position_ids=v_pos,
+            cache=full.cache,
+            use_cache=True,
+            logits_to_keep=n,
+        )
         logits = out.logits  # [B, n, V]
         if sampling is None:
             target = logits.argmax(-1)  # [B, n]
@@ -584,13 +624,24 @@ def lossless_decode(
     for row in generated:
         cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
         rows.append(row[:cut][:max_new_tokens])
-    return rows, dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=draft,
-                      generated_steps=max(len(g) for g in generated), lossless=stats, raw=generated)
+    return rows, dict(
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decode_seconds,
+        cache=draft,
+        generated_steps=max(len(g) for g in generated),
+        lossless=stats,
+        raw=generated,
+    )
 
 
 @torch.inference_mode()
-def full_kv_decode(model, blocks: list[tuple[torch.Tensor, torch.Tensor]], config: Lossless, max_new_tokens: int = 32,
-                   stop_ids: set[int] | None = None) -> tuple[list[list[int]], dict[str, Any]]:
+def full_kv_decode(
+    model,
+    blocks: list[tuple[torch.Tensor, torch.Tensor]],
+    config: Lossless,
+    max_new_tokens: int = 32,
+    stop_ids: set[int] | None = None,
+) -> tuple[list[list[int]], dict[str, Any]]:
     """Uncompressed greedy decoding with the full KV where ``config.tier`` puts it, one token per forward: the
     baseline lossless decoding is measured against (same tier, same streaming, no drafting)."""
     install(model)
@@ -605,8 +656,14 @@ def full_kv_decode(model, blocks: list[tuple[torch.Tensor, torch.Tensor]], confi
         ids, block_mask = ids.to(device), block_mask.to(device)
         mask = torch.cat([mask, block_mask], dim=1)
         pos = next_pos.view(-1, 1) + (block_mask.cumsum(1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=full.cache, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=full.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         full.commit(ids.shape[1], ids.shape[1])
         next_pos = next_pos + block_mask.sum(1)
     prefill_seconds = time.perf_counter() - t0
@@ -625,24 +682,40 @@ def full_kv_decode(model, blocks: list[tuple[torch.Tensor, torch.Tensor]], confi
         full.prefetch()
         t0 = time.perf_counter()
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
-        out = model(input_ids=token.view(-1, 1), attention_mask=mask, position_ids=next_pos.view(-1, 1),
-                    cache=full.cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=token.view(-1, 1),
+            attention_mask=mask,
+            position_ids=next_pos.view(-1, 1),
+            cache=full.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         full.commit(1, 1)
         next_pos = next_pos + 1
         stats.verify_passes += 1
         _sync(device)
         stats.verify_seconds += time.perf_counter() - t0
     decode_seconds = time.perf_counter() - t_decode
-    stats.bytes_in, stats.transfer_seconds, stats.read_seconds = full.bytes_in, full.transfer_seconds, full.read_seconds
+    stats.bytes_in, stats.transfer_seconds, stats.read_seconds = (
+        full.bytes_in,
+        full.transfer_seconds,
+        full.read_seconds,
+    )
     stats.full_kv_bytes = full.nbytes()
     full.close()
     rows = [row[: next((i for i, t in enumerate(row) if t in stop_ids), len(row))] for row in generated]
-    return rows, dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, lossless=stats, raw=generated,
-                      generated_steps=max(len(g) for g in generated))
+    return rows, dict(
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decode_seconds,
+        lossless=stats,
+        raw=generated,
+        generated_steps=max(len(g) for g in generated),
+    )
 
 
-def _speculative_sample(p: torch.Tensor, q_probs: list[torch.Tensor], drafts: torch.Tensor,
-                        gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _speculative_sample(
+    p: torch.Tensor, q_probs: list[torch.Tensor], drafts: torch.Tensor, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The standard rule (Leviathan et al., 2023; Chen et al., 2023), per row.
 
     p: ``[B, gamma + 1, V]`` target probabilities; q_probs: gamma ``[B, V]`` draft probabilities; drafts:
@@ -690,10 +763,10 @@ def bound_note(stats: LosslessStats, tokens: int) -> str:
         return ""
     parts = {"draft": stats.draft_seconds, "verify": stats.verify_seconds, "commit": stats.commit_seconds}
     top = max(parts, key=parts.get)
-    return f"{top} {parts[top] / total:.0%} of decode time; {tokens / total:.1f} tok/s; " + \
-        f"{stats.mean_accepted + 1:.2f} tokens/round"
-
-
+    return (
+        f"{top} {parts[top] / total:.0%} of decode time; {tokens / total:.1f} tok/s; "
+        + f"{stats.mean_accepted + 1:.2f} tokens/round"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -702,10 +775,20 @@ def bound_note(stats: LosslessStats, tokens: int) -> str:
 _WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
 
 
-def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
-                    generation_config=None, synced_gpus: bool = False, streamer=None, compressor=None,
-                    gamma: int | None = None, lossless: Lossless | None = None, seed: int = 0,
-                    **model_kwargs) -> torch.Tensor:
+def custom_generate(
+    model,
+    input_ids: torch.Tensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    synced_gpus: bool = False,
+    streamer=None,
+    compressor=None,
+    gamma: int | None = None,
+    lossless: Lossless | None = None,
+    seed: int = 0,
+    **model_kwargs,
+) -> torch.Tensor:
     """A decoding loop for ``model.generate(ids, custom_generate=custom_generate, compressor=..., gamma=...)``.
 
     Greedy or sampling as ``generation_config`` says (``do_sample``, ``temperature``, ``top_k``, ``top_p``;
@@ -721,15 +804,18 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
         compressor = create(compressor)
     others = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in _WARPERS]
     if others:
-        raise ValueError(f"Lossless decoding applies temperature/top-k/top-p only; got logits processors {others}.")
+        raise ValueError(
+            f"Lossless decoding applies temperature/top-k/top-p only; got logits processors {others}."
+        )
     cfg = generation_config
     config = lossless or Lossless()
     if gamma is not None:
         config = Lossless(**{**config.__dict__, "gamma": gamma, "max_gamma": max(gamma, config.max_gamma)})
     sampling = None
     if cfg.do_sample:
-        sampling = Sampling(cfg.temperature or 1.0, cfg.top_k or 0, cfg.top_p if cfg.top_p is not None else 1.0,
-                            seed)
+        sampling = Sampling(
+            cfg.temperature or 1.0, cfg.top_k or 0, cfg.top_p if cfg.top_p is not None else 1.0, seed
+        )
     eos = cfg.eos_token_id
     stop_ids = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
     if isinstance(eos, torch.Tensor):
@@ -738,7 +824,9 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
     if mask is None:
         mask = torch.ones_like(input_ids)
     max_new_tokens = cfg.max_length - input_ids.shape[1]
-    _, stats = lossless_decode(model, [(input_ids, mask)], compressor, config, max_new_tokens, stop_ids, sampling)
+    _, stats = lossless_decode(
+        model, [(input_ids, mask)], compressor, config, max_new_tokens, stop_ids, sampling
+    )
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (min(stop_ids) if stop_ids else 0)
     rows = []
     for row in stats["raw"]:

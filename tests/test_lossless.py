@@ -72,8 +72,15 @@ def reference20(model64):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_is_token_identical_on_20_prompts(model64, reference20, name):
     contexts, questions = prompts(20)
-    out = generate(*model64, contexts, questions, compressor=FAMILIES[name], max_new_tokens=NEW_TOKENS,
-                   lossless=True, gamma=3)
+    out = generate(
+        *model64,
+        contexts,
+        questions,
+        compressor=FAMILIES[name],
+        max_new_tokens=NEW_TOKENS,
+        lossless=True,
+        gamma=3,
+    )
     assert out.token_ids == reference20
     stats = out.lossless
     assert stats["accepted_tokens"] < stats["drafted_tokens"]  # drafts were rejected and rolled back
@@ -87,19 +94,31 @@ def test_greedy_is_token_identical_on_20_prompts(model64, reference20, name):
 @pytest.mark.parametrize("query_aware", [False, True])
 def test_greedy_identical_query_aware_and_adaptive_gamma(model64, query_aware):
     contexts, questions = prompts(6)
-    ref = generate(*model64, contexts, questions, compressor=None, max_new_tokens=NEW_TOKENS, query_aware=query_aware)
-    out = generate(*model64, contexts, questions, compressor=SnapKV(compression_ratio=0.5), max_new_tokens=NEW_TOKENS,
-                   query_aware=query_aware, lossless=Lossless(gamma=2, adaptive=True, max_gamma=6))
+    ref = generate(
+        *model64, contexts, questions, compressor=None, max_new_tokens=NEW_TOKENS, query_aware=query_aware
+    )
+    out = generate(
+        *model64,
+        contexts,
+        questions,
+        compressor=SnapKV(compression_ratio=0.5),
+        max_new_tokens=NEW_TOKENS,
+        query_aware=query_aware,
+        lossless=Lossless(gamma=2, adaptive=True, max_gamma=6),
+    )
     assert out.token_ids == ref.token_ids
 
 
 def test_batch_of_4_with_ragged_acceptance_equals_each_alone(model64):
     contexts, questions = CONTEXTS + [CONTEXTS[0][:200]], QUESTIONS + [QUESTIONS[2]]
     compressor = SnapKV(compression_ratio=0.4)
-    batch = generate(*model64, contexts, questions, compressor=compressor, max_new_tokens=16, lossless=True,
-                     gamma=4)
-    alone = [generate(*model64, c, q, compressor=compressor, max_new_tokens=16, lossless=True, gamma=4)
-             for c, q in zip(contexts, questions)]
+    batch = generate(
+        *model64, contexts, questions, compressor=compressor, max_new_tokens=16, lossless=True, gamma=4
+    )
+    alone = [
+        generate(*model64, c, q, compressor=compressor, max_new_tokens=16, lossless=True, gamma=4)
+        for c, q in zip(contexts, questions)
+    ]
     assert batch.token_ids == [a.token_ids[0] for a in alone]
     ref = generate(*model64, contexts, questions, compressor=None, max_new_tokens=16)
     assert batch.token_ids == ref.token_ids
@@ -113,8 +132,14 @@ def test_full_kv_in_a_slow_tier(model64, tier):
     contexts, questions = prompts(3)
     ref = generate(*model64, contexts, questions, compressor=None, max_new_tokens=NEW_TOKENS)
     config = Lossless(gamma=3, tier=tier, tier_options={"window": 1})
-    out = generate(*model64, contexts, questions, compressor=Quant(bits=2, group_size=8, residual=8),
-                   max_new_tokens=NEW_TOKENS, lossless=config)
+    out = generate(
+        *model64,
+        contexts,
+        questions,
+        compressor=Quant(bits=2, group_size=8, residual=8),
+        max_new_tokens=NEW_TOKENS,
+        lossless=config,
+    )
     assert out.token_ids == ref.token_ids
     stats = out.lossless
     kv_per_token = 2 * 2 * 2 * 16 * 8  # layers x (K, V) x KV heads x head_dim x float64
@@ -199,8 +224,12 @@ class InPlaceRing(Compressor):
 
     def prefill(self, layer, q, k, v, ctx):
         b, h, _, d = k.shape
-        state = {"keys": k.new_zeros(b, h, self.size, d), "values": k.new_zeros(b, h, self.size, d),
-                 "positions": torch.full((b, h, self.size), SENTINEL, dtype=torch.long), "next": [0]}
+        state = {
+            "keys": k.new_zeros(b, h, self.size, d),
+            "values": k.new_zeros(b, h, self.size, d),
+            "positions": torch.full((b, h, self.size), SENTINEL, dtype=torch.long),
+            "next": [0],
+        }
         return self.append(layer, state, k, v, ctx)
 
     def append(self, layer, state, k, v, ctx):
@@ -216,8 +245,11 @@ class InPlaceRing(Compressor):
         return state["keys"], state["values"], state["positions"]
 
     def nbytes(self, state):
-        return {"device": sum(t.nbytes for t in (state["keys"], state["values"], state["positions"])), "host": 0,
-                "disk": 0}
+        return {
+            "device": sum(t.nbytes for t in (state["keys"], state["values"], state["positions"])),
+            "host": 0,
+            "disk": 0,
+        }
 
 
 def test_default_rollback_makes_an_in_place_method_lossless(model64):
@@ -225,11 +257,25 @@ def test_default_rollback_makes_an_in_place_method_lossless(model64):
     contexts, questions = prompts(3)
     for c, q in zip(contexts, questions):
         ref = generate(model, tokenizer, c, q, compressor=None, max_new_tokens=NEW_TOKENS)
-        out = generate(model, tokenizer, c, q, compressor=InPlaceRing(), max_new_tokens=NEW_TOKENS, lossless=True,
-                       gamma=3)
-        assert out.token_ids == ref.token_ids and out.lossless["accepted_tokens"] < out.lossless["drafted_tokens"]
+        out = generate(
+            model,
+            tokenizer,
+            c,
+            q,
+            compressor=InPlaceRing(),
+            max_new_tokens=NEW_TOKENS,
+            lossless=True,
+            gamma=3,
+        )
+        assert (
+            out.token_ids == ref.token_ids
+            and out.lossless["accepted_tokens"] < out.lossless["drafted_tokens"]
+        )
     gen = torch.Generator().manual_seed(2)
-    prompt, rejected = torch.randint(10, 40000, (1, 30), generator=gen), torch.randint(10, 40000, (1, 5), generator=gen)
+    prompt, rejected = (
+        torch.randint(10, 40000, (1, 30), generator=gen),
+        torch.randint(10, 40000, (1, 5), generator=gen),
+    )
     drafted, clean = CompressedCache(model, InPlaceRing()), CompressedCache(model, InPlaceRing())
     _forward(model, drafted, prompt, 0)
     _forward(model, clean, prompt, 0)
@@ -252,8 +298,10 @@ def test_staged_verified_block_snapshots_right_after_it(model64, name):
     prompt = torch.randint(10, 40000, (1, 40), generator=gen)
     block = torch.randint(10, 40000, (1, 4), generator=gen)
     cfg = model.config
-    keys = [torch.randn(1, cfg.num_key_value_heads, 3, cfg.head_dim, generator=gen, dtype=torch.float64)
-            for _ in range(cfg.num_hidden_layers)]
+    keys = [
+        torch.randn(1, cfg.num_key_value_heads, 3, cfg.head_dim, generator=gen, dtype=torch.float64)
+        for _ in range(cfg.num_hidden_layers)
+    ]
     values = [k.flip(-1) for k in keys]
 
     a = CompressedCache(model, compressor)
@@ -328,12 +376,24 @@ def test_speculative_sampling_has_the_uncompressed_distribution(small_vocab):
     rows, draws, drafted, accepted = 500, 8, 0, 0
     for seed in range(draws):
         batch = ids.expand(rows, -1)
-        out = model.generate(batch, attention_mask=torch.ones_like(batch), custom_generate=custom_generate,
-                             compressor=compressor, gamma=2, max_new_tokens=3, do_sample=True, top_k=4, top_p=1.0,
-                             temperature=1.5, seed=seed, pad_token_id=0, eos_token_id=1)
+        out = model.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            custom_generate=custom_generate,
+            compressor=compressor,
+            gamma=2,
+            max_new_tokens=3,
+            do_sample=True,
+            top_k=4,
+            top_p=1.0,
+            temperature=1.5,
+            seed=seed,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
         stats = model.last_lossless_stats
         drafted, accepted = drafted + stats.drafted_tokens, accepted + stats.accepted_tokens
-        for row in out[:, ids.shape[1]:].tolist():
+        for row in out[:, ids.shape[1] :].tolist():
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
     n = rows * draws
     assert 0.05 * drafted < accepted < 0.95 * drafted  # both acceptance and resampling happened, often
@@ -383,8 +443,15 @@ def test_model_generate_custom_generate_is_plain_greedy(model64):
     model, tokenizer = model64
     ids = tokenizer(CONTEXTS[0] + QUESTIONS[0], return_tensors="pt")["input_ids"]
     plain = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
-    out = model.generate(ids, custom_generate=custom_generate, compressor=SnapKV(compression_ratio=0.9), gamma=3,
-                         max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    out = model.generate(
+        ids,
+        custom_generate=custom_generate,
+        compressor=SnapKV(compression_ratio=0.9),
+        gamma=3,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=2,
+    )
     assert torch.equal(out, plain)
     assert model.last_lossless_stats.rounds > 0
 
@@ -393,20 +460,50 @@ def test_runner_records_are_exact_with_stats(model64, tmp_path):
     from eval.runner import Sample, Task, load_records, run, summarize
 
     contexts, questions = prompts(3)
-    samples = [Sample(id=f"s{i}", task="toy", context=c, question=q, answer_prefix="", references=["x"],
-                      max_new_tokens=8, chat_template=True, length_tokens=0)
-               for i, (c, q) in enumerate(zip(contexts, questions))]
+    samples = [
+        Sample(
+            id=f"s{i}",
+            task="toy",
+            context=c,
+            question=q,
+            answer_prefix="",
+            references=["x"],
+            max_new_tokens=8,
+            chat_template=True,
+            length_tokens=0,
+        )
+        for i, (c, q) in enumerate(zip(contexts, questions))
+    ]
     task = Task("toy", samples, lambda pred, s: 0.0)
     out = Path(tmp_path) / "lossless.jsonl"
-    list(run(*model64, task, "snapkv", query_aware=False, out_path=out, progress=False, lossless=True,
-             compression_ratio=0.9))
+    list(
+        run(
+            *model64,
+            task,
+            "snapkv",
+            query_aware=False,
+            out_path=out,
+            progress=False,
+            lossless=True,
+            compression_ratio=0.9,
+        )
+    )
     records = load_records(out)
     assert [r["exact_match"] for r in records] == [True] * 3
     assert all(r["lossless"]["gamma"] == 4 and r["lossless_stats"]["rounds"] > 0 for r in records)
     assert summarize(records)["exact_match_rate"] == 1.0
     with pytest.raises(ValueError, match="another configuration"):  # lossy records do not mix in
-        list(run(*model64, task, "snapkv", query_aware=False, out_path=out, progress=False,
-                 compression_ratio=0.9))
+        list(
+            run(
+                *model64,
+                task,
+                "snapkv",
+                query_aware=False,
+                out_path=out,
+                progress=False,
+                compression_ratio=0.9,
+            )
+        )
 
 
 def test_hydra_config_has_lossless_keys():
@@ -421,8 +518,21 @@ def test_hydra_config_has_lossless_keys():
 def test_cli_generate_lossless(capsys):
     from experiments.cli import main
 
-    args = ["generate", "--model", "tiny", "--compressor", "snapkv", "--compression-ratio", "0.9", "--context",
-            CONTEXTS[0], "--question", QUESTIONS[0], "--max-new-tokens", "6"]
+    args = [
+        "generate",
+        "--model",
+        "tiny",
+        "--compressor",
+        "snapkv",
+        "--compression-ratio",
+        "0.9",
+        "--context",
+        CONTEXTS[0],
+        "--question",
+        QUESTIONS[0],
+        "--max-new-tokens",
+        "6",
+    ]
     assert main([*args, "--lossless", "--gamma", "3"]) == 0
     out = capsys.readouterr()
     stats = json.loads(out.err.strip().splitlines()[-1])
