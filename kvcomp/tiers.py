@@ -25,9 +25,11 @@ contiguous run of ``2 * D * itemsize`` bytes, so gathering scattered tokens read
 writes at the end of the file. A disk tier is read through the OS page cache (mmap): a recently written file
 may still be in RAM; that is what a real offloading system on this machine would see too.
 
-:class:`Prefetcher` moves gathers off the critical path: ``submit(step, request)`` starts fetching in the
-background (a worker thread on CPU; on CUDA the thread issues the copy on a side stream and the consumer
-waits on its event), ``wait(step)`` returns the :class:`FetchResult` submitted for exactly that ``step`` (or
+:class:`Prefetcher` moves reads off the critical path (a :class:`FetchRequest` is a gather of token indices
+or a token range of one layer): ``submit(step, request)`` starts fetching in the
+background (a worker thread on CPU; on CUDA the thread issues the copy on a side stream that first waits
+for the submitting stream — the index is computed there — and the consumer waits on the copy's event; the
+CUDA path is written but has not run on a GPU yet), ``wait(step)`` returns the :class:`FetchResult` submitted for exactly that ``step`` (or
 ``None``), and ``fetch(step, request)`` fetches synchronously. At most one submission is outstanding (double
 buffering: one buffer in use, one filling); a submission for another step, or one whose layer was rewritten
 or cropped since it was read (the tier's per-layer ``version``), is dropped and never returned. Bytes moved,
@@ -36,6 +38,7 @@ time waited, prefetches used and dropped are counted per step in :class:`Transfe
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -57,7 +60,7 @@ _MIN_GROWTH = 256  # tokens added at least when a layer's storage grows
 class _Slot:
     data: torch.Tensor  # [capacity, B, H, 2, D]
     length: int = 0
-    version: int = 0  # bumped by write/crop/free: anything that changes tokens already stored
+    version: int = 0  # new (unique within the tier) on write and crop: whatever changes tokens already stored
 
 
 class Tier:
@@ -69,6 +72,7 @@ class Tier:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._slots: dict[int, _Slot] = {}
         self._lock = threading.RLock()  # the prefetch worker reads while the model thread appends
+        self._versions = itertools.count()  # never reused, so a request made before free + write is stale
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -105,7 +109,7 @@ class Tier:
                 self._release(layer)
             b, h, n, d = k.shape
             data = self._allocate(layer, max(n, 1), (b, h, 2, d), k.dtype)
-            self._slots[layer] = _Slot(data, 0, 0 if old is None else old.version + 1)
+            self._slots[layer] = _Slot(data, 0, next(self._versions))
             self._put(layer, k, v)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -174,7 +178,7 @@ class Tier:
             else:
                 bi, hi, ji = wanted.nonzero(as_tuple=True)
                 out[bi, hi, ji] = slot.data[index[bi, hi, ji], bi, hi]
-            self.bytes_read += int(wanted.sum()) * out[0, 0, 0].numel() * out.element_size()
+            self.bytes_read += int(wanted.sum()) * slot.data[0, 0, 0].numel() * out.element_size()
         out = self._to(out, device, non_blocking)
         return out[..., 0, :], out[..., 1, :]
 
@@ -186,7 +190,7 @@ class Tier:
                 length = max(0, slot.length + length)
             if length < slot.length:
                 slot.length = length
-                slot.version += 1
+                slot.version = next(self._versions)
 
     def free(self, layer: int) -> None:
         with self._lock:
@@ -322,12 +326,24 @@ def make_tier(kind: str, device=None, **kwargs: Any) -> Tier:
 # -- prefetch --------------------------------------------------------------------------------------------
 @dataclass
 class FetchRequest:
-    """Tokens ``index`` ``[B, H, k]`` of ``layer`` in ``tier`` (``-1``: not wanted)."""
+    """Tokens ``index`` ``[B, H, k]`` of ``layer`` in ``tier`` (``-1``: not wanted), or, with ``index=None``,
+    the range ``[start, stop)`` (``stop=None``: to the end), e.g. a whole layer streamed in for verification."""
 
     tier: Tier
     layer: int
-    index: torch.Tensor
+    index: torch.Tensor | None = None
+    start: int = 0
+    stop: int | None = None
     version: int | None = None  # the layer's version when the request was made (set by submit/fetch)
+
+    def _read(self, **kwargs) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(k, v, tokens read per row and head summed)`` (called with the tier's lock held)."""
+        if self.index is None:
+            k, v = self.tier.read(self.layer, self.start, self.stop, **kwargs)
+            return k, v, k.shape[0] * k.shape[1] * k.shape[2]
+        wanted = int((self.index >= 0).sum())
+        k, v = self.tier.gather(self.layer, self.index, **kwargs)
+        return k, v, wanted
 
 
 @dataclass
@@ -377,21 +393,22 @@ def shared_worker() -> ThreadPoolExecutor:
         return _shared_worker
 
 
-def _run_fetch(request: FetchRequest, stream) -> FetchResult:
+def _run_fetch(request: FetchRequest, stream, ready=None) -> FetchResult:
     tier = request.tier
     cuda = stream is not None
     with tier._lock:
         version = tier.version(request.layer)
         if version != request.version:  # rewritten or cropped since the request: its indices are stale
             return FetchResult(request, None, None, 0, version)
-        wanted = int((request.index >= 0).sum())
         if cuda:
             with torch.cuda.stream(stream):
-                k, v = tier.gather(request.layer, request.index, non_blocking=True)
+                if ready is not None:  # the index was computed on the submitting stream
+                    stream.wait_event(ready)
+                k, v, wanted = request._read(non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
         else:
-            k, v = tier.gather(request.layer, request.index)
+            k, v, wanted = request._read()
             event = None
     nbytes = 2 * wanted * k.shape[-1] * k.element_size()
     return FetchResult(request, k, v, nbytes, version, event)
@@ -409,7 +426,7 @@ class Prefetcher:
         self.executor = executor
         self.stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self.stats = TransferStats()
-        self._pending: tuple[Any, FetchRequest, Future | None] | None = None
+        self._pending: tuple[Any, FetchRequest, Future | None, Any] | None = None
 
     @property
     def _cuda(self) -> bool:
@@ -420,10 +437,13 @@ class Prefetcher:
         self.cancel()
         if request.version is None:
             request.version = request.tier.version(request.layer)
-        future = None
+        future, ready = None, None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         if self.overlap:
-            future = (self.executor or shared_worker()).submit(_run_fetch, request, self.stream)
-        self._pending = (step, request, future)
+            future = (self.executor or shared_worker()).submit(_run_fetch, request, self.stream, ready)
+        self._pending = (step, request, future, ready)
         self.stats.prefetches += 1
 
     def pending_request(self) -> FetchRequest | None:
@@ -431,7 +451,7 @@ class Prefetcher:
 
     def cancel(self) -> None:
         if self._pending is not None:
-            _, _, future = self._pending
+            future = self._pending[2]
             if future is not None and not future.cancel():
                 future.exception()  # let it finish: its buffers must not be freed while being written
             self._pending = None
@@ -445,10 +465,10 @@ class Prefetcher:
         if self._pending[0] != step:
             self.cancel()
             return None
-        _, request, future = self._pending
+        _, request, future, ready = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        result = future.result() if future is not None else _run_fetch(request, self.stream)
+        result = future.result() if future is not None else _run_fetch(request, self.stream, ready)
         if result.event is not None and result.keys is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(result.event)
