@@ -297,12 +297,13 @@ class TieredFullKV:
     def tee(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.tier.append(layer, k, v)
 
-    def _read(self, layer: int):
+    def _read(self, layer: int, ready=None):
         t0 = time.perf_counter()
         if self._stream is None:
             k, v = self.tier.read(layer)
             return k, v, None, time.perf_counter() - t0
         with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)  # what the model stream wrote into a device tier comes first
             k, v = self.tier.read(layer, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -312,7 +313,11 @@ class TieredFullKV:
         from kvcomp.tiers import shared_worker
 
         if layer < self.n_layers and layer not in self._reads and self.tier.length(layer) > 0:
-            self._reads[layer] = shared_worker().submit(self._read, layer)
+            ready = None
+            if self._stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.tier.device))
+            self._reads[layer] = shared_worker().submit(self._read, layer, ready)
 
     def prefetch(self) -> None:
         if self.overlap:
