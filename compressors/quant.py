@@ -29,6 +29,7 @@ the groups in blocks of ``_DECODE_BLOCK`` tokens with an online softmax, then th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -165,6 +166,10 @@ class Quant(Compressor):
         index = torch.arange(length, device=k.device).view(1, 1, -1) + (flush * g).unsqueeze(-1)
         window = compact(window.gather(index.clamp(max=length - 1), index < length))
         return QuantState(*groups, residual=window)
+
+    def checkpoint(self, state: QuantState) -> QuantState:
+        # append() never writes into existing tensors (it concatenates and gathers), it only rebinds fields.
+        return dataclasses.replace(state, residual=dataclasses.replace(state.residual))
 
     def materialize(self, state: QuantState):
         dtype = state.residual.keys.dtype

@@ -26,6 +26,11 @@ compressor, parameters, mode, model or dtype is refused (:class:`RunConfigMismat
 With ``batch_size > 1`` samples are generated as one left-padded batch: the timing, resident bytes,
 full bytes and ``memory_factor`` of a record are those of its batch (``batch_size`` says how many rows);
 ``kept_tokens`` and fidelity are per sample.
+
+``lossless=True`` (or a :class:`kvcomp.lossless.Lossless`) drafts with the compressor and verifies with the
+full KV: fidelity must then be exact, and each record carries ``lossless_stats`` (rounds, accepted-length
+histogram, verification passes, bytes brought in from the slow tier, draft/verify/transfer seconds; per batch,
+like the timings). Resident bytes then include the full KV, under the tier that holds it.
 """
 
 from __future__ import annotations
@@ -46,14 +51,23 @@ from tqdm.auto import tqdm
 
 from kvcomp import shared_prefill
 from kvcomp.compressor import Compressor
-from kvcomp.generation import cache_stats, generate_ids, resolve_compressor, split_prompt, stop_token_ids
+from kvcomp.generation import (
+    add_full_kv_bytes,
+    cache_stats,
+    generate_ids,
+    lossless_config,
+    resolve_compressor,
+    split_prompt,
+    stop_token_ids,
+)
+from kvcomp.lossless import Lossless
 from kvcomp.metrics import fidelity
 from kvcomp.registry import name_of
 
 RULER_DEFAULT_SAMPLES = 100
 REFERENCE_FILE = "reference.jsonl"
 # The fields of a record that must agree between runs appending to the same file.
-CONFIG_FIELDS = ("compressor", "query_aware", "model", "dtype")
+CONFIG_FIELDS = ("compressor", "query_aware", "model", "dtype", "lossless")
 
 
 class RunConfigMismatch(ValueError):
@@ -393,6 +407,7 @@ class _Batch:
     decode_seconds: float
     resident_bytes: dict[str, int]
     full_bytes: int
+    lossless: dict[str, Any] | None = None
 
 
 def _generate(
@@ -402,6 +417,7 @@ def _generate(
     compressor: Compressor | None,
     query_aware: bool,
     stop_ids: set[int],
+    lossless: Lossless | None = None,
 ) -> _Batch:
     parts = [
         split_prompt(tokenizer, s.context, s.question, s.answer_prefix, s.chat_template) for s in samples
@@ -410,7 +426,7 @@ def _generate(
         compressor.check(len(parts))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows, stats = generate_ids(
-        model, parts, compressor, samples[0].max_new_tokens, query_aware, pad_id, stop_ids
+        model, parts, compressor, samples[0].max_new_tokens, query_aware, pad_id, stop_ids, lossless
     )
     return _batch_result(tokenizer, parts, rows, stats, compressor)
 
@@ -418,6 +434,8 @@ def _generate(
 def _batch_result(tokenizer, parts, rows: list[list[int]], stats: dict, compressor: Compressor | None) -> _Batch:
     cache = stats["cache"]
     resident, full, _ = cache_stats(cache)
+    if "lossless" in stats:
+        resident = add_full_kv_bytes(resident, stats["lossless"])
     if compressor is None:
         per_row = [
             float(len(p.context_ids) + len(p.question_ids) + stats["generated_steps"] - 1) for p in parts
@@ -434,6 +452,7 @@ def _batch_result(tokenizer, parts, rows: list[list[int]], stats: dict, compress
         decode_seconds=stats["decode_seconds"],
         resident_bytes=resident,
         full_bytes=full,
+        lossless=stats["lossless"].as_dict() if "lossless" in stats else None,
     )
 
 
@@ -461,6 +480,7 @@ def run(
     reference: str | os.PathLike | None = "auto",
     model_name: str | None = None,
     progress: bool = True,
+    lossless: bool | Lossless = False,
     **compressor_params,
 ) -> Iterator[dict]:
     """Generate every sample of ``task_samples`` with ``compressor`` and yield one record per sample.
@@ -486,8 +506,11 @@ def run(
     compressor = resolve_compressor(compressor, **compressor_params)
     if compressor is not None:
         compressor.check(batch_size)
+    lossless = lossless_config(lossless)
+    if lossless is not None and compressor is None:
+        raise ValueError("lossless=True drafts with a compressor; the uncompressed baseline needs none.")
     out_path = Path(out_path) if out_path is not None else None
-    config = _run_config(model, compressor, query_aware, model_name)
+    config = _run_config(model, compressor, query_aware, model_name, lossless)
 
     done: set[str] = set()
     if out_path is not None:
@@ -525,15 +548,18 @@ def run(
         stop_ids,
         mode,
         progress,
+        lossless,
     )
 
 
-def _run_config(model, compressor: Compressor | None, query_aware: bool, model_name: str | None) -> dict[str, Any]:
+def _run_config(model, compressor: Compressor | None, query_aware: bool, model_name: str | None,
+                lossless: Lossless | None = None) -> dict[str, Any]:
     return {
         "compressor": describe_compressor(compressor),
         "query_aware": query_aware,
         "model": model_name or model_id(model),
         "dtype": str(model.dtype).removeprefix("torch."),
+        "lossless": None if lossless is None else _jsonable(lossless),
     }
 
 
@@ -562,6 +588,7 @@ def _produce(
     stop_ids: set[int],
     mode: str,
     progress: bool,
+    lossless: Lossless | None = None,
 ) -> Iterator[dict]:
     bar = tqdm(
         total=len(task_samples.samples),
@@ -571,7 +598,7 @@ def _produce(
     )
     try:
         for batch in _batches(todo, batch_size):
-            out = _generate(model, tokenizer, batch, compressor, query_aware, stop_ids)
+            out = _generate(model, tokenizer, batch, compressor, query_aware, stop_ids, lossless)
             ref_ids = _reference_ids(model, tokenizer, batch, out, compressor, references, config, stop_ids)
             records = _records(task_samples, batch, out, config, mode, ref_ids)
             if out_path is not None:
@@ -680,6 +707,7 @@ def _records(task_samples: Task, batch: list[Sample], out: _Batch, config: dict,
             else math.inf,
             "kept_tokens": out.kept_tokens[i],
             "batch_size": len(batch),
+            "lossless_stats": out.lossless,
             "mode": mode,
             **config,
             "exact_match": None,
@@ -771,6 +799,10 @@ def summarize(records: Iterable[dict]) -> dict[str, Any]:
         "agreement": _mean(r.get("agreement") for r in with_fidelity),
         "prefill_seconds": _mean(r["prefill_seconds"] for r in records),
         "decode_seconds": _mean(r["decode_seconds"] for r in records),
+        "lossless": _label(records, "lossless"),
+        "mean_tokens_per_round": _mean(
+            (r.get("lossless_stats") or {}).get("mean_tokens_per_round") for r in records
+        ),
     }
 
 

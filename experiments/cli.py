@@ -57,8 +57,9 @@ def _generate(args) -> int:
 
     compressor = None if args.compressor == "none" else resolve_compressor(args.compressor, **params)
     model, tokenizer = _load(args)  # after the compressor: a bad name fails before the model loads
+    lossless = {"lossless": True, "gamma": args.gamma} if args.lossless else {}
     result = generate(model, tokenizer, context, args.question, compressor=compressor,
-                      max_new_tokens=args.max_new_tokens, query_aware=args.query_aware)
+                      max_new_tokens=args.max_new_tokens, query_aware=args.query_aware, **lossless)
     print(result.text)
     stats = {
         "compressor": result.compressor, "query_aware": result.query_aware, "prompt_tokens": result.prompt_tokens[0],
@@ -67,6 +68,8 @@ def _generate(args) -> int:
         "kept_tokens_mean": round(sum(result.kept_tokens_per_layer) / len(result.kept_tokens_per_layer), 1),
         "dtype": result.dtype,
     }
+    if result.lossless is not None:
+        stats["lossless"] = {k: result.lossless[k] for k in ("rounds", "mean_accepted", "accepted_hist")}
     print(json.dumps(stats), file=sys.stderr)
     return 0
 
@@ -147,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--question", default="")
     p.add_argument("--query-aware", action="store_true", help="compress with the question in the prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--lossless", action="store_true", help="draft with the compressor, verify with the full KV")
+    p.add_argument("--gamma", type=int, default=4, help="tokens drafted per round (--lossless)")
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("demo", help="needle-in-a-haystack: no compression vs each compressor at 2x and 4x")

@@ -59,6 +59,8 @@ def _row(run_dir: Path) -> dict[str, Any]:
         label = f"none ({MODE_SHORT.get(mode, mode)})"
     else:
         label = f"{name} ({MODE_SHORT.get(mode, mode)})"
+    if isinstance(s.get("lossless"), dict):  # lossless decoding drafting with this compressor: its own curve
+        label = f"{name} lossless ({MODE_SHORT.get(mode, mode)})"
     return {
         "task": s.get("task") or ",".join(tasks),
         "length": s.get("length"),

@@ -169,7 +169,14 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         with _file_lock(ref_path.with_name(ref_path.name + ".lock")):
             for _ in run(model, tokenizer, task, None, out_path=None, reference=ref_path, **common):
                 pass
-    for _ in run(model, tokenizer, task, compressor, out_path=out_path, reference=ref_path, **common):
+    lossless = False
+    if cfg.lossless:
+        from kvcomp.lossless import Lossless
+
+        lossless = Lossless(gamma=cfg.gamma, adaptive=cfg.adaptive_gamma, max_gamma=max(cfg.gamma, 12),
+                            tier=cfg.kv_tier)
+    for _ in run(model, tokenizer, task, compressor, out_path=out_path, reference=ref_path, lossless=lossless,
+                 **common):
         pass
     records = load_records(out_path)
     summary = {**summarize(records), "task": t.name, "length": t.length, "run_dir": str(run_dir)}

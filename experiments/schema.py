@@ -53,6 +53,11 @@ class RunConfig:
     compressor: Any = None  # a compressor's schema (see compressor_schema); _target_ null is the baseline
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     query_aware: bool = False  # True: the question is inside the compressed prompt
+    # Lossless decoding (kvcomp.lossless): the compressor drafts `gamma` tokens, the full KV verifies them.
+    lossless: bool = False
+    gamma: int = 4
+    adaptive_gamma: bool = False  # choose gamma per round from the acceptance rate and measured times
+    kv_tier: str = "resident"  # where the full KV lives: resident (DynamicCache), ram, host or disk
     batch_size: int = 1
     fidelity: bool = True  # compare each output with the uncompressed one
     # Uncompressed references, shared by every run that points here. None: <sweep dir>/reference.jsonl in a

@@ -3,12 +3,13 @@
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Capabilities, Compose, Compressor, CompressorError, LayerContext
 from kvcomp.generation import GenerationResult, generate
+from kvcomp.lossless import Lossless, Sampling
 from kvcomp.models import load_model
 from kvcomp.registry import available, create, register
 from kvcomp.selection import TokenSelection, TokenStore
 
 __all__ = [
     "Capabilities", "Compose", "CompressedCache", "Compressor", "CompressorError", "GenerationResult",
-    "LayerContext", "TokenSelection", "TokenStore", "available", "create", "generate", "load_model", "register",
+    "LayerContext", "Lossless", "Sampling", "TokenSelection", "TokenStore", "available", "create", "generate", "load_model", "register",
 ]
 __version__ = "0.1.0"

@@ -8,11 +8,25 @@ a compressor, and the selection drops them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcomp.attention import dense_attention, install, set_active
 from kvcomp.compressor import SENTINEL, Compressor, LayerContext
+
+
+@dataclass
+class LayerSnapshot:
+    """What :meth:`CompressedLayer.rollback` restores: the compressor's snapshot and the layer's counters."""
+
+    state: Any
+    seen_total: int
+    seen: torch.Tensor | None
+    next_position: torch.Tensor | None
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -31,6 +45,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen_total = 0  # tokens seen including padding: the logical length transformers expects
         self.seen: torch.Tensor | None = None  # [B] real tokens seen per row
         self.next_position: torch.Tensor | None = None  # [B] position of the next real token
+        self.split: int | None = None  # verified tokens at the start of this forward (lossless decoding)
 
     # -- transformers' side ----------------------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -51,6 +66,17 @@ class CompressedLayer(CacheLayerMixin):
                 "function. Build the cache with CompressedCache(model, compressor), which installs it, and do not "
                 "change model.config._attn_implementation afterwards."
             )
+        if self.owner.tee is not None:
+            self.owner.tee(self.layer_idx, key_states, value_states)
+        self.split = None
+        staged = self.owner.staged
+        if staged is not None:
+            # Lossless decoding: the first m tokens of this forward were verified by the full model; their
+            # K/V replace the ones this (draft) forward computed, and a snapshot is taken right after them.
+            keys, values = staged[0][self.layer_idx], staged[1][self.layer_idx]
+            self.split = keys.shape[-2]
+            key_states = torch.cat([keys.to(key_states.dtype), key_states[:, :, self.split:]], dim=2)
+            value_states = torch.cat([values.to(value_states.dtype), value_states[:, :, self.split:]], dim=2)
         self.pending = (key_states, value_states)
         self.seen_total += key_states.shape[-2]
         set_active(self)
@@ -89,11 +115,40 @@ class CompressedLayer(CacheLayerMixin):
 
     reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 
+    # -- rollback (lossless decoding) -------------------------------------------------------------------
+    def checkpoint(self) -> LayerSnapshot:
+        return LayerSnapshot(
+            None if self.state is None else self.compressor.checkpoint(self.state),
+            self.seen_total, self.seen, self.next_position,
+        )
+
+    def rollback(self, snapshot: LayerSnapshot) -> None:
+        self.state = snapshot.state if self.state is None else self.compressor.rollback(self.state, snapshot.state)
+        self.seen_total, self.seen, self.next_position = snapshot.seen_total, snapshot.seen, snapshot.next_position
+
     # -- kvcomp's side ---------------------------------------------------------------------------------
     def forward(self, query: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor, scaling: float):
         """Attention for the parked K/V. query: [B, H_q, n, D]; position_ids, valid: [B, n]."""
         k, v = self.pending
         self.pending = None
+        m = self.split
+        if m is None:
+            return self._attend(query, k, v, position_ids, valid, scaling)
+        # Verified prefix first, then the snapshot lossless decoding rolls back to, then the drafted tokens.
+        n = k.shape[-2]
+        outs = []
+        if m:
+            outs.append(self._attend(query[:, :, :m], k[:, :, :m], v[:, :, :m], position_ids[:, :m], valid[:, :m],
+                                     scaling))
+        snapshot = self.checkpoint()
+        snapshot.seen_total -= n - m  # update() counted the whole forward already
+        self.owner.snapshots[self.layer_idx] = snapshot
+        if m < n:
+            outs.append(self._attend(query[:, :, m:], k[:, :, m:], v[:, :, m:], position_ids[:, m:], valid[:, m:],
+                                     scaling))
+        return torch.cat(outs, dim=2)
+
+    def _attend(self, query, k, v, position_ids, valid, scaling):
         b, hkv, n, _ = k.shape
         self.seen = self.seen + valid.sum(1)
         positions = torch.where(valid, position_ids, SENTINEL)
@@ -134,6 +189,33 @@ class CompressedCache(Cache):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layers = [CompressedLayer(compressor, i, self) for i in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
+        # Lossless decoding (kvcomp.lossless): `tee(layer, k, v)` receives every K/V block the model computes;
+        # `staged` holds verified K/V (per layer, [B, H_kv, m, D]) for the first m tokens of the next forward.
+        self.tee: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        self.staged: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.snapshots: list[LayerSnapshot | None] = [None] * len(layers)
+
+    # -- lossless decoding -----------------------------------------------------------------------------
+    def stage_verified(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """The next forward's first ``m`` tokens use these verified K/V (``[B, H_kv, m, D]`` per layer, ``m``
+        may be 0), and each layer snapshots itself right after them into :attr:`snapshots`."""
+        self.staged = (keys, values)
+        self.snapshots = [None] * len(self.layers)
+
+    def take_snapshots(self) -> list[LayerSnapshot]:
+        """The snapshots the last staged forward took (one per layer); unstages."""
+        if self.staged is None or any(s is None for s in self.snapshots):
+            raise RuntimeError("CompressedCache: no forward ran since stage_verified().")
+        snapshots, self.snapshots, self.staged = self.snapshots, [None] * len(self.layers), None
+        return snapshots
+
+    def checkpoint(self) -> list[LayerSnapshot]:
+        return [layer.checkpoint() for layer in self.layers]
+
+    def rollback(self, snapshots: list[LayerSnapshot]) -> None:
+        """Every layer as it was at ``snapshots`` (from :meth:`checkpoint` or :meth:`take_snapshots`)."""
+        for layer, snapshot in zip(self.layers, snapshots):
+            layer.rollback(snapshot)
 
     # -- accounting ------------------------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:

@@ -9,16 +9,24 @@ holding that layer's KV in whatever form it stores it; the framework (``kvcomp.c
 ``append(layer, state, k, v, ctx)``            every later forward (decode step, question block): add tokens
 ``attend(layer, state, q, ctx)``               inside attention: output over what the state keeps
 ``observe(layer, state, weights, ctx)``        attention statistics, when ``needs_attention_weights``
-``checkpoint(state)`` / ``rollback(state, n)``  undo the last ``n`` appended tokens (lossless decoding)
+``checkpoint(state)`` / ``rollback(state, s)``  snapshot a state / restore it (undo what was appended since)
 ``nbytes(state)``                              resident bytes per tier
 =============================================  ===============================================================
 
 Shapes: ``q`` is ``[B, H_q, n, D]``; ``k``/``v`` are ``[B, H_kv, n, D]`` (one entry per KV head, never per
 query head); positions are ``[B, H_kv, n]`` original token positions, ``SENTINEL`` marking padding.
+
+Rollback (lossless decoding drafts tokens, then undoes them): ``checkpoint(state)`` returns a snapshot and
+``rollback(state, snapshot)`` returns the state as it was then, however many tokens were appended, evicted
+or re-encoded since (a token count could not undo an H2O eviction or a KIVI residual flush). The default
+deep-copies every tensor of the state, which is correct for any state; a method whose ``append`` never
+writes into the tensors it is given (it builds new ones, as ``TokenSelection`` and ``Quant`` do) overrides
+it with a shallow copy, which costs nothing. A snapshot is consumed by the rollback that uses it.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -109,10 +117,12 @@ class Compressor:
         """``weights``: ``[B, H_kv, G, n_q, L]`` attention probabilities over the materialized slots."""
 
     def checkpoint(self, state: Any) -> Any:
-        raise CompressorError(f"{type(self).__name__} does not support checkpoint/rollback yet.")
+        """A snapshot from which :meth:`rollback` restores ``state`` as it is now. Default: a deep copy."""
+        return clone_state(state)
 
-    def rollback(self, state: Any, n: int) -> Any:
-        raise CompressorError(f"{type(self).__name__} does not support checkpoint/rollback yet.")
+    def rollback(self, state: Any, snapshot: Any) -> Any:
+        """The state as it was at :meth:`checkpoint` (``state`` is the current one, dropped here)."""
+        return snapshot
 
     def nbytes(self, state: Any) -> dict[str, int]:
         raise NotImplementedError
@@ -132,6 +142,22 @@ class Compressor:
 
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def clone_state(state: Any) -> Any:
+    """A copy of ``state`` sharing no tensor with it (dataclasses, lists, tuples and dicts are walked)."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        new = copy.copy(state)
+        for f in dataclasses.fields(state):
+            object.__setattr__(new, f.name, clone_state(getattr(state, f.name)))
+        return new
+    if isinstance(state, (list, tuple)):
+        return type(state)(clone_state(x) for x in state)
+    if isinstance(state, dict):
+        return {k: clone_state(v) for k, v in state.items()}
+    return state
 
 
 def _check_ratio(ratio: float, name: str = "compression_ratio") -> None:
@@ -216,8 +242,8 @@ class Compose(Compressor):
     def checkpoint(self, state):
         return self._last().checkpoint(state)
 
-    def rollback(self, state, n):
-        return self._last().rollback(state, n)
+    def rollback(self, state, snapshot):
+        return self._last().rollback(state, snapshot)
 
     def nbytes(self, state):
         return self._last().nbytes(state)

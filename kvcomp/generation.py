@@ -15,6 +15,7 @@ Batches are left-padded per part; padding is never stored and never attended.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from transformers import DynamicCache
 from kvcomp.attention import install
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Compressor
+from kvcomp.lossless import Lossless, Sampling, lossless_decode
 from kvcomp.registry import name_of
 
 
@@ -42,6 +44,8 @@ class GenerationResult:
     compressor: str
     dtype: str
     extra: dict[str, Any] = field(default_factory=dict)
+    # Lossless decoding's statistics (kvcomp.lossless.LosslessStats.as_dict()), None otherwise.
+    lossless: dict[str, Any] | None = None
 
     @property
     def text(self) -> str:
@@ -113,8 +117,12 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def generate_ids(model, parts: list[PromptParts], compressor: Compressor | None, max_new_tokens: int = 32,
                  query_aware: bool = False, pad_id: int = 0, stop_ids: set[int] | None = None,
+                 lossless: Lossless | None = None, sampling: Sampling | None = None,
                  ) -> tuple[list[list[int]], dict[str, Any]]:
-    """Greedy decoding of a batch of split prompts; returns generated ids per row and statistics."""
+    """Greedy decoding of a batch of split prompts; returns generated ids per row and statistics.
+
+    ``lossless``: draft with ``compressor`` and verify with the full KV (:mod:`kvcomp.lossless`); only then
+    can ``sampling`` be given (its output distribution is that of uncompressed sampling)."""
     install(model)
     device = model.device
     stop_ids = stop_ids or set()
@@ -125,6 +133,12 @@ def generate_ids(model, parts: list[PromptParts], compressor: Compressor | None,
         blocks = [[p.context_ids for p in parts], [p.question_ids for p in parts]]
         blocks = [b for b in blocks if any(b)]
         question_length = None
+    if lossless is not None:
+        padded = [_left_pad(rows, pad_id) for rows in blocks]
+        return lossless_decode(model, padded, compressor, lossless, max_new_tokens, stop_ids, sampling,
+                               question_length)
+    if sampling is not None:
+        raise ValueError("Sampling is only implemented with lossless=True (speculative sampling).")
     if compressor is None:
         cache = DynamicCache()
     else:
@@ -187,6 +201,14 @@ def cache_stats(cache) -> tuple[dict[str, int], int, list[float]]:
     return {"device": resident, "host": 0, "disk": 0}, resident, kept
 
 
+def add_full_kv_bytes(resident: dict[str, int], stats) -> dict[str, int]:
+    """Lossless decoding keeps the full KV too: add its bytes to the tier that holds it."""
+    total = dict(resident)
+    for tier, n in stats.full_kv_bytes.items():
+        total[tier] = total.get(tier, 0) + n
+    return total
+
+
 def resolve_compressor(compressor: Compressor | str | None, **params) -> Compressor | None:
     if compressor is None or compressor == "none":
         return None
@@ -200,13 +222,23 @@ def resolve_compressor(compressor: Compressor | str | None, **params) -> Compres
 def generate(model, tokenizer, context: str | list[str], question: str | list[str] = "",
              compressor: Compressor | str | None = None, max_new_tokens: int = 32, query_aware: bool = False,
              answer_prefix: str = "", chat_template: bool = True, system_prompt: str | None = None,
+             lossless: bool | Lossless = False, gamma: int | None = None, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              **compressor_params) -> GenerationResult:
     """Generate an answer to ``question`` about ``context`` with a compressed KV cache (greedy).
 
     ``compressor``: a Compressor, a registered name (its hyper-parameters as keyword arguments), or None for
     the uncompressed baseline. Lists of contexts/questions run as one left-padded batch.
+    ``lossless``: True (or a :class:`kvcomp.lossless.Lossless`) drafts ``gamma`` tokens per round with the
+    compressed cache and verifies them with the full KV: the output is exactly the uncompressed one (greedy),
+    or distributed exactly as uncompressed sampling with ``do_sample`` (``temperature``, ``top_k``, ``top_p``,
+    ``seed``). Statistics land in ``GenerationResult.lossless``.
     """
     compressor = resolve_compressor(compressor, **compressor_params)
+    config = lossless_config(lossless, gamma)
+    if config is None and (do_sample or gamma is not None):
+        raise ValueError("gamma and do_sample are lossless-decoding options: pass lossless=True as well.")
+    sampling = Sampling(temperature, top_k, top_p, seed) if do_sample else None
     contexts = [context] if isinstance(context, str) else list(context)
     questions = [question] * len(contexts) if isinstance(question, str) else list(question)
     if len(questions) != len(contexts):
@@ -217,8 +249,10 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
         compressor.check(len(parts))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows, stats = generate_ids(model, parts, compressor, max_new_tokens, query_aware, pad_id,
-                               stop_token_ids(model, tokenizer))
+                               stop_token_ids(model, tokenizer), config, sampling)
     resident, full, kept = cache_stats(stats["cache"])
+    if "lossless" in stats:
+        resident = add_full_kv_bytes(resident, stats["lossless"])
     name = "none" if compressor is None else name_of(compressor)
     return GenerationResult(
         texts=[tokenizer.decode(r, skip_special_tokens=True) for r in rows],
@@ -233,4 +267,14 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
         compressor=name,
         dtype=str(model.dtype).removeprefix("torch."),
         extra={"params": {} if compressor is None else compressor.params(), "steps": stats["generated_steps"]},
+        lossless=stats["lossless"].as_dict() if "lossless" in stats else None,
     )
+
+
+def lossless_config(lossless: bool | Lossless | None, gamma: int | None = None) -> Lossless | None:
+    """``True`` -> the default :class:`Lossless` (with ``gamma`` when given); a Lossless as is; else None."""
+    if isinstance(lossless, Lossless):
+        return lossless if gamma is None else dataclasses.replace(lossless, gamma=gamma)
+    if lossless:
+        return Lossless() if gamma is None else Lossless(gamma=gamma, max_gamma=max(gamma, Lossless.max_gamma))
+    return None

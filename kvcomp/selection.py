@@ -8,6 +8,7 @@ smaller tensors, and appends. Evicted tokens are gone: the store holds ``[B, H_k
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -144,6 +145,11 @@ class TokenSelection(Compressor):
         if bool((store.valid.sum(-1) <= budget.view(-1, 1)).all()):
             return store
         return select_top(store, self.decode_score(store, ctx), budget)
+
+    def checkpoint(self, state: TokenStore) -> TokenStore:
+        # append() builds new tensors (cat, gather) and never writes into the store it is given, so sharing
+        # them is a snapshot; only H2O's scores are updated in place (observe), so they are copied.
+        return dataclasses.replace(state, scores=None if state.scores is None else state.scores.clone())
 
     def materialize(self, state: TokenStore):
         return state.keys, state.values, state.positions
