@@ -1,0 +1,477 @@
+"""Where KV bytes live: the fast tier and slower tiers, and a background prefetcher with double buffering.
+
+A :class:`Tier` holds, per layer, an appendable K/V of shape ``[B, H_kv, L, D]``:
+
+=================================  ==========================================================================
+``write(layer, k, v)``             replace the layer's K/V (prefill)
+``append(layer, k, v)``            add tokens at the end (decoding, verified blocks)
+``read(layer, start, stop)``       ``(k, v)`` of tokens ``[start, stop)``, ``[B, H, stop - start, D]``
+``gather(layer, index)``           ``(k, v)`` of tokens ``index`` ``[B, H, k]`` (``-1``: not fetched, zeros)
+``crop(layer, length)``            keep the first ``length`` tokens (lossless decoding drops rejected drafts)
+``length(layer)``                  tokens stored
+``free(layer)`` / ``close()``      release one layer / everything (the disk tier deletes its files)
+``nbytes()``                       bytes allocated in this tier (capacity, not only the used part)
+=================================  ==========================================================================
+
+Tiers: :class:`RamTier` (a tensor on any torch device: GPU memory, or RAM on a CPU-only machine),
+:class:`HostTier` (host memory, pinned when CUDA is present so copies to the GPU are asynchronous) and
+:class:`DiskTier` (one memory-mapped file per layer under a private temporary directory, extended as tokens are
+appended and deleted by ``free``/``close``, when the tier is garbage-collected, or at interpreter exit; it is
+also a context manager). ``make_tier("ram" | "host" | "disk")`` builds one. Returned tensors are fresh copies on
+the tier's ``device`` (the compute device), never views of the storage, so a later write cannot change them.
+
+Layout: storage is token-major, ``[capacity, B, H, 2, D]``: a token's key and value for one head are one
+contiguous run of ``2 * D * itemsize`` bytes, so gathering scattered tokens reads whole runs, and appending
+writes at the end of the file. A disk tier is read through the OS page cache (mmap): a recently written file
+may still be in RAM; that is what a real offloading system on this machine would see too.
+
+:class:`Prefetcher` moves gathers off the critical path: ``submit(step, request)`` starts fetching in the
+background (a worker thread on CPU; on CUDA the thread issues the copy on a side stream and the consumer
+waits on its event), ``wait(step)`` returns the :class:`FetchResult` submitted for exactly that ``step`` (or
+``None``), and ``fetch(step, request)`` fetches synchronously. At most one submission is outstanding (double
+buffering: one buffer in use, one filling); a submission for another step, or one whose layer was rewritten
+or cropped since it was read (the tier's per-layer ``version``), is dropped and never returned. Bytes moved,
+time waited, prefetches used and dropped are counted per step in :class:`TransferStats`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+TIER_KINDS = ("ram", "host", "disk")
+_MIN_GROWTH = 256  # tokens added at least when a layer's storage grows
+
+
+@dataclass
+class _Slot:
+    data: torch.Tensor  # [capacity, B, H, 2, D]
+    length: int = 0
+    version: int = 0  # bumped by write/crop/free: anything that changes tokens already stored
+
+
+class Tier:
+    """Appendable per-layer K/V storage (see the module docstring). Subclasses own the allocation."""
+
+    kind: ClassVar[str] = "device"  # the nbytes() key this tier's bytes are reported under
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._slots: dict[int, _Slot] = {}
+        self._lock = threading.RLock()  # the prefetch worker reads while the model thread appends
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # -- storage (overridden by subclasses) ------------------------------------------------------------
+    def _allocate(self, layer: int, capacity: int, tail: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _grow(self, layer: int, slot: _Slot, capacity: int) -> torch.Tensor:
+        data = self._allocate(layer, capacity, tuple(slot.data.shape[1:]), slot.data.dtype)
+        data[: slot.length] = slot.data[: slot.length]
+        return data
+
+    def _release(self, layer: int) -> None:
+        pass
+
+    # -- API -------------------------------------------------------------------------------------------
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._slots)
+
+    def length(self, layer: int) -> int:
+        slot = self._slots.get(layer)
+        return 0 if slot is None else slot.length
+
+    def version(self, layer: int) -> int:
+        slot = self._slots.get(layer)
+        return -1 if slot is None else slot.version
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace the layer's K/V with ``k``, ``v`` ``[B, H, L, D]``."""
+        with self._lock:
+            old = self._slots.pop(layer, None)
+            if old is not None:
+                self._release(layer)
+            b, h, n, d = k.shape
+            data = self._allocate(layer, max(n, 1), (b, h, 2, d), k.dtype)
+            self._slots[layer] = _Slot(data, 0, 0 if old is None else old.version + 1)
+            self._put(layer, k, v)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add ``k``, ``v`` ``[B, H, n, D]`` after the stored tokens (``write`` if the layer is empty)."""
+        with self._lock:
+            if layer not in self._slots:
+                self.write(layer, k, v)
+                return
+            slot = self._slots[layer]
+            if tuple(k.shape[:2]) != tuple(slot.data.shape[1:3]) or k.shape[-1] != slot.data.shape[-1]:
+                raise ValueError(f"append: K/V {tuple(k.shape)} do not match layer {layer}'s {tuple(slot.data.shape)}.")
+            need = slot.length + k.shape[2]
+            if need > slot.data.shape[0]:
+                capacity = max(need, slot.data.shape[0] + max(slot.data.shape[0] // 4, _MIN_GROWTH))
+                slot.data = self._grow(layer, slot, capacity)
+            self._put(layer, k, v)
+
+    def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        slot = self._slots[layer]
+        n = k.shape[2]
+        if n:
+            kv = torch.stack([k, v], dim=3).permute(2, 0, 1, 3, 4)  # [n, B, H, 2, D]
+            slot.data[slot.length : slot.length + n] = kv.to(slot.data.device, slot.data.dtype)
+        slot.length += n
+        self.bytes_written += 2 * k.numel() * slot.data.element_size()
+
+    def _slot(self, layer: int) -> _Slot:
+        if layer not in self._slots:
+            raise KeyError(f"{type(self).__name__} holds no K/V for layer {layer} (layers: {self.layers}).")
+        return self._slots[layer]
+
+    def read(self, layer: int, start: int = 0, stop: int | None = None, device=None,
+             non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` of tokens ``[start, stop)``, each ``[B, H, n, D]``, fresh tensors on ``device``."""
+        with self._lock:
+            slot = self._slot(layer)
+            stop = slot.length if stop is None else min(stop, slot.length)
+            start = max(0, min(start, stop))
+            kv = slot.data[start:stop].permute(1, 2, 0, 3, 4)  # [B, H, n, 2, D], a view of the storage
+            out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device, pin_memory=self._pin_out(kv))
+            out.copy_(kv)
+            self.bytes_read += out.numel() * out.element_size()
+        out = self._to(out, device, non_blocking)
+        return out[..., 0, :], out[..., 1, :]
+
+    def gather(self, layer: int, index: torch.Tensor, device=None,
+               non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` ``[B, H, k, D]`` of the tokens ``index`` ``[B, H, k]`` (long, per row and head).
+
+        Entries ``< 0`` are not read: their K/V are zeros and they cost no bytes."""
+        with self._lock:
+            slot = self._slot(layer)
+            b, h = slot.data.shape[1:3]
+            if tuple(index.shape[:2]) != (b, h):
+                raise ValueError(f"gather: index {tuple(index.shape)} does not match [B={b}, H={h}, k].")
+            index = index.to(slot.data.device)
+            if bool((index >= slot.length).any()):
+                raise IndexError(f"gather: token index beyond the {slot.length} stored in layer {layer}.")
+            wanted = index >= 0
+            out = torch.zeros(*index.shape, *slot.data.shape[3:], dtype=slot.data.dtype, device=slot.data.device,
+                              pin_memory=self._pin_out(slot.data))
+            if bool(wanted.all()):
+                bi = torch.arange(b, device=index.device).view(b, 1, 1)
+                hi = torch.arange(h, device=index.device).view(1, h, 1)
+                out.copy_(slot.data[index, bi, hi])
+            else:
+                bi, hi, ji = wanted.nonzero(as_tuple=True)
+                out[bi, hi, ji] = slot.data[index[bi, hi, ji], bi, hi]
+            self.bytes_read += int(wanted.sum()) * out[0, 0, 0].numel() * out.element_size()
+        out = self._to(out, device, non_blocking)
+        return out[..., 0, :], out[..., 1, :]
+
+    def crop(self, layer: int, length: int) -> None:
+        """Keep the first ``length`` tokens of the layer (``length < 0`` removes ``-length`` from the end)."""
+        with self._lock:
+            slot = self._slot(layer)
+            if length < 0:
+                length = max(0, slot.length + length)
+            if length < slot.length:
+                slot.length = length
+                slot.version += 1
+
+    def free(self, layer: int) -> None:
+        with self._lock:
+            if self._slots.pop(layer, None) is not None:
+                self._release(layer)
+
+    def close(self) -> None:
+        with self._lock:
+            for layer in list(self._slots):
+                self.free(layer)
+
+    def nbytes(self) -> int:
+        """Bytes allocated in this tier (all layers, whole capacity)."""
+        return sum(s.data.numel() * s.data.element_size() for s in self._slots.values())
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _pin_out(self, like: torch.Tensor) -> bool:
+        return False
+
+    def _to(self, t: torch.Tensor, device, non_blocking: bool) -> torch.Tensor:
+        device = self.device if device is None else torch.device(device)
+        return t if t.device == device else t.to(device, non_blocking=non_blocking)
+
+
+class RamTier(Tier):
+    """The fast tier: a plain tensor on ``storage_device`` (GPU memory, or RAM on a CPU-only machine)."""
+
+    kind = "device"
+
+    def __init__(self, device=None, storage_device=None):
+        super().__init__(device)
+        self.storage_device = torch.device(storage_device) if storage_device is not None else self.device
+
+    def _allocate(self, layer, capacity, tail, dtype):
+        return torch.empty(capacity, *tail, dtype=dtype, device=self.storage_device)
+
+
+class HostTier(Tier):
+    """Host memory, pinned when CUDA is present (so host-to-GPU copies can overlap compute)."""
+
+    kind = "host"
+
+    def __init__(self, device=None, pin_memory: bool | None = None):
+        super().__init__(device)
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+
+    def _allocate(self, layer, capacity, tail, dtype):
+        return torch.empty(capacity, *tail, dtype=dtype, pin_memory=self.pin_memory)
+
+    def _pin_out(self, like):
+        return self.pin_memory and self.device.type == "cuda"
+
+
+def _remove_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class DiskTier(Tier):
+    """One memory-mapped file per layer (``layer<i>.kv``) in a private directory under ``directory``
+    (default: ``$KVCOMP_OFFLOAD_DIR`` or the system temporary directory).
+
+    The directory is removed by :meth:`close`, by ``with DiskTier() as tier:``, when the tier is
+    garbage-collected (``weakref.finalize``, so also after an exception drops the last reference) and at
+    interpreter exit."""
+
+    kind = "disk"
+
+    def __init__(self, device=None, directory: str | os.PathLike | None = None):
+        super().__init__(device)
+        root = directory or os.environ.get("KVCOMP_OFFLOAD_DIR") or tempfile.gettempdir()
+        os.makedirs(root, exist_ok=True)
+        self.path = tempfile.mkdtemp(prefix="kvcomp-tier-", dir=root)
+        self._finalizer = weakref.finalize(self, _remove_dir, self.path)
+        self._maps: dict[int, np.memmap] = {}
+        self._meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def file(self, layer: int) -> str:
+        return os.path.join(self.path, f"layer{layer}.kv")
+
+    def _map(self, layer: int, capacity: int, tail: tuple[int, ...], dtype: torch.dtype, mode: str) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        shape = (capacity, *tail[:-1], tail[-1] * itemsize)
+        # np.memmap extends the file to the mapped size in "w+" and "r+" modes.
+        mm = np.memmap(self.file(layer), dtype=np.uint8, mode=mode, shape=shape)
+        self._maps[layer] = mm
+        return torch.from_numpy(mm).view(dtype)
+
+    def _allocate(self, layer, capacity, tail, dtype):
+        if not self._finalizer.alive:
+            raise RuntimeError("DiskTier is closed.")
+        self._meta[layer] = (tail, dtype)
+        return self._map(layer, capacity, tail, dtype, "w+")
+
+    def _grow(self, layer, slot, capacity):
+        # Extend the file and map it again: the stored tokens are not copied.
+        tail, dtype = self._meta[layer]
+        return self._map(layer, capacity, tail, dtype, "r+")
+
+    def _release(self, layer):
+        self._maps.pop(layer, None)
+        self._meta.pop(layer, None)
+        try:
+            os.remove(self.file(layer))
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        super().close()
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+
+def make_tier(kind: str, device=None, **kwargs: Any) -> Tier:
+    """``"ram"`` (fast tier), ``"host"`` or ``"disk"``; ``device`` is where fetched tensors land."""
+    if kind == "ram":
+        return RamTier(device, **kwargs)
+    if kind == "host":
+        return HostTier(device, **kwargs)
+    if kind == "disk":
+        return DiskTier(device, **kwargs)
+    raise ValueError(f"Unknown tier {kind!r}; choose one of {', '.join(TIER_KINDS)}.")
+
+
+# -- prefetch --------------------------------------------------------------------------------------------
+@dataclass
+class FetchRequest:
+    """Tokens ``index`` ``[B, H, k]`` of ``layer`` in ``tier`` (``-1``: not wanted)."""
+
+    tier: Tier
+    layer: int
+    index: torch.Tensor
+    version: int | None = None  # the layer's version when the request was made (set by submit/fetch)
+
+
+@dataclass
+class FetchResult:
+    request: FetchRequest
+    keys: torch.Tensor | None  # [B, H, k, D] on the compute device (None: not read, the request was stale)
+    values: torch.Tensor | None
+    nbytes: int  # bytes moved from the tier
+    version: int  # the layer's version when it was read
+    event: Any = None  # CUDA event the consumer waits on
+
+
+@dataclass
+class TransferStats:
+    """Totals plus ``per_step[step] = [bytes moved, seconds waited]``."""
+
+    bytes_moved: int = 0
+    wait_seconds: float = 0.0
+    sync_fetches: int = 0
+    prefetches: int = 0  # submitted
+    prefetches_used: int = 0  # returned by wait()
+    prefetches_dropped: int = 0  # superseded, for another step, or read before the layer changed
+    per_step: dict[Any, list[float]] = field(default_factory=dict)
+
+    def record(self, step: Any, nbytes: int, waited: float) -> None:
+        self.bytes_moved += nbytes
+        self.wait_seconds += waited
+        entry = self.per_step.setdefault(step, [0, 0.0])
+        entry[0] += nbytes
+        entry[1] += waited
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in ("bytes_moved", "wait_seconds", "sync_fetches", "prefetches",
+                                               "prefetches_used", "prefetches_dropped")}
+
+
+_worker_lock = threading.Lock()
+_shared_worker: ThreadPoolExecutor | None = None
+
+
+def shared_worker() -> ThreadPoolExecutor:
+    """One background thread shared by every Prefetcher of the process (fetches run in submission order)."""
+    global _shared_worker
+    with _worker_lock:
+        if _shared_worker is None:
+            _shared_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcomp-prefetch")
+        return _shared_worker
+
+
+def _run_fetch(request: FetchRequest, stream) -> FetchResult:
+    tier = request.tier
+    cuda = stream is not None
+    with tier._lock:
+        version = tier.version(request.layer)
+        if version != request.version:  # rewritten or cropped since the request: its indices are stale
+            return FetchResult(request, None, None, 0, version)
+        wanted = int((request.index >= 0).sum())
+        if cuda:
+            with torch.cuda.stream(stream):
+                k, v = tier.gather(request.layer, request.index, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+        else:
+            k, v = tier.gather(request.layer, request.index)
+            event = None
+    nbytes = 2 * wanted * k.shape[-1] * k.element_size()
+    return FetchResult(request, k, v, nbytes, version, event)
+
+
+class Prefetcher:
+    """Background fetches with double buffering (see the module docstring).
+
+    overlap: False runs a submitted fetch only when it is waited for (same data and statistics, no overlap;
+    the baseline for measuring what overlap buys)."""
+
+    def __init__(self, overlap: bool = True, device=None, executor: ThreadPoolExecutor | None = None):
+        self.overlap = overlap
+        self.device = torch.device(device) if device is not None else None
+        self.executor = executor
+        self.stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+        self.stats = TransferStats()
+        self._pending: tuple[Any, FetchRequest, Future | None] | None = None
+
+    @property
+    def _cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda" and torch.cuda.is_available()
+
+    def submit(self, step: Any, request: FetchRequest) -> None:
+        """Start fetching ``request`` for ``step``; an unconsumed earlier submission is dropped."""
+        self.cancel()
+        if request.version is None:
+            request.version = request.tier.version(request.layer)
+        future = None
+        if self.overlap:
+            future = (self.executor or shared_worker()).submit(_run_fetch, request, self.stream)
+        self._pending = (step, request, future)
+        self.stats.prefetches += 1
+
+    def pending_request(self) -> FetchRequest | None:
+        return None if self._pending is None else self._pending[1]
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            _, _, future = self._pending
+            if future is not None and not future.cancel():
+                future.exception()  # let it finish: its buffers must not be freed while being written
+            self._pending = None
+            self.stats.prefetches_dropped += 1
+
+    def wait(self, step: Any) -> FetchResult | None:
+        """The fetch submitted for exactly ``step``, once complete; ``None`` when there is none (nothing
+        submitted, submitted for another step, or the layer was rewritten or cropped since)."""
+        if self._pending is None:
+            return None
+        if self._pending[0] != step:
+            self.cancel()
+            return None
+        _, request, future = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        result = future.result() if future is not None else _run_fetch(request, self.stream)
+        if result.event is not None and result.keys is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(result.event)
+            result.keys.record_stream(current)
+            result.values.record_stream(current)
+        waited = time.perf_counter() - t0
+        if not request.version == result.version == request.tier.version(request.layer):
+            self.stats.prefetches_dropped += 1
+            self.stats.record(step, result.nbytes, waited)
+            return None
+        self.stats.prefetches_used += 1
+        self.stats.record(step, result.nbytes, waited)
+        return result
+
+    def fetch(self, step: Any, request: FetchRequest) -> FetchResult:
+        """Fetch synchronously (a miss or a correction); counted as waited time."""
+        t0 = time.perf_counter()
+        if request.version is None:
+            request.version = request.tier.version(request.layer)
+        result = _run_fetch(request, None)
+        self.stats.sync_fetches += 1
+        self.stats.record(step, result.nbytes, time.perf_counter() - t0)
+        return result
+
+    def close(self) -> None:
+        self.cancel()

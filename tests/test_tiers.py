@@ -1,0 +1,174 @@
+"""kvcomp.tiers: exact round trips in every tier, crop, disk cleanup, and a prefetcher that never returns stale data."""
+
+import gc
+import os
+
+import pytest
+import torch
+
+from kvcomp.tiers import DiskTier, FetchRequest, HostTier, Prefetcher, RamTier, Tier, make_tier
+
+B, H, D = 2, 3, 8
+
+
+def kv(n, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, n, D, generator=g).to(dtype), torch.randn(B, H, n, D, generator=g).to(dtype))
+
+
+@pytest.fixture(params=["ram", "host", "disk"])
+def tier(request, tmp_path):
+    kwargs = {"directory": tmp_path} if request.param == "disk" else {}
+    t = make_tier(request.param, **kwargs)
+    yield t
+    t.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_append_read_gather_round_trip_exactly(tier, dtype):
+    k0, v0 = kv(40, 0, dtype)
+    tier.write(0, k0, v0)
+    blocks = [(k0, v0)]
+    for step in range(300):  # crosses at least one growth of the storage
+        k1, v1 = kv(1 + step % 3, step + 1, dtype)
+        tier.append(0, k1, v1)
+        blocks.append((k1, v1))
+    keys = torch.cat([b[0] for b in blocks], dim=2)
+    values = torch.cat([b[1] for b in blocks], dim=2)
+    assert tier.length(0) == keys.shape[2]
+    k, v = tier.read(0)
+    assert k.dtype == dtype and torch.equal(k, keys) and torch.equal(v, values)
+    k, v = tier.read(0, 17, 123)
+    assert torch.equal(k, keys[:, :, 17:123]) and torch.equal(v, values[:, :, 17:123])
+    index = torch.randint(0, keys.shape[2], (B, H, 11), generator=torch.Generator().manual_seed(9))
+    k, v = tier.gather(0, index)
+    assert torch.equal(k, keys.gather(2, index[..., None].expand(-1, -1, -1, D)))
+    assert torch.equal(v, values.gather(2, index[..., None].expand(-1, -1, -1, D)))
+
+
+def test_gather_skips_negative_indices_and_counts_bytes(tier):
+    k0, v0 = kv(50, 1)
+    tier.write(3, k0, v0)
+    index = torch.arange(6).view(1, 1, 6).repeat(B, H, 1)
+    index[0, 1, 2:] = -1
+    before = tier.bytes_read
+    k, v = tier.gather(3, index)
+    assert tier.bytes_read - before == (B * H * 6 - 4) * 2 * D * 4
+    assert torch.equal(k[0, 1, 2:], torch.zeros(4, D)) and torch.equal(v[0, 1, :2], v0[0, 1, :2])
+    assert torch.equal(k[1, 2], k0[1, 2, :6])
+    with pytest.raises(IndexError):
+        tier.gather(3, torch.full((B, H, 1), 50))
+
+
+def test_returned_tensors_are_copies_not_views(tier):
+    k0, v0 = kv(10, 2)
+    tier.write(0, k0, v0)
+    k, _ = tier.read(0)
+    tier.write(0, *kv(10, 3))
+    assert torch.equal(k, k0)
+
+
+def test_crop_keeps_prefix_and_appends_after_it(tier):
+    k0, v0 = kv(30, 4)
+    tier.write(1, k0, v0)
+    version = tier.version(1)
+    tier.crop(1, 21)
+    assert tier.length(1) == 21 and tier.version(1) == version + 1
+    tier.crop(1, -1)
+    assert tier.length(1) == 20
+    k1, v1 = kv(5, 5)
+    tier.append(1, k1, v1)
+    k, v = tier.read(1)
+    assert torch.equal(k, torch.cat([k0[:, :, :20], k1], 2)) and torch.equal(v, torch.cat([v0[:, :, :20], v1], 2))
+    tier.crop(1, 100)  # longer than stored: nothing happens
+    assert tier.length(1) == 25
+
+
+def test_layers_are_independent_and_nbytes_is_allocated_capacity():
+    tier = RamTier()
+    tier.write(0, *kv(10, 6))
+    tier.write(5, *kv(4, 7))
+    assert tier.layers == [0, 5]
+    assert tier.nbytes() == (10 + 4) * B * H * 2 * D * 4
+    tier.append(5, *kv(1, 8))  # grows by at least 256 tokens
+    assert tier.nbytes() == (10 + 4 + 256) * B * H * 2 * D * 4
+    tier.free(0)
+    assert tier.layers == [5]
+    assert isinstance(tier, Tier) and tier.kind == "device" and HostTier.kind == "host" and DiskTier.kind == "disk"
+
+
+def test_disk_tier_files_are_removed_on_free_close_and_context_exit(tmp_path):
+    tier = DiskTier(directory=tmp_path)
+    tier.write(0, *kv(8, 0))
+    tier.write(1, *kv(8, 1))
+    assert sorted(os.listdir(tier.path)) == ["layer0.kv", "layer1.kv"]
+    assert os.path.getsize(tier.file(0)) == 8 * B * H * 2 * D * 4 == tier.nbytes() // 2
+    tier.free(0)
+    assert os.listdir(tier.path) == ["layer1.kv"]
+    tier.close()
+    assert os.listdir(tmp_path) == []
+    with DiskTier(directory=tmp_path) as t:
+        t.write(0, *kv(8, 0))
+        assert len(os.listdir(tmp_path)) == 1
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_tier_is_removed_when_dropped_after_an_exception(tmp_path):
+    def crash():
+        tier = DiskTier(directory=tmp_path)
+        tier.write(0, *kv(8, 0))
+        assert len(os.listdir(tmp_path)) == 1
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        crash()
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+    with pytest.raises(RuntimeError, match="boom"), DiskTier(directory=tmp_path) as tier:
+        tier.write(0, *kv(8, 0))
+        raise RuntimeError("boom")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefetcher_returns_the_request_of_that_step(overlap):
+    tier = RamTier()
+    k0, v0 = kv(64, 0)
+    tier.write(0, k0, v0)
+    pf = Prefetcher(overlap=overlap)
+    index = torch.randint(0, 64, (B, H, 5), generator=torch.Generator().manual_seed(1))
+    pf.submit(7, FetchRequest(tier, 0, index))
+    result = pf.wait(7)
+    assert result is not None and result.request.index is index
+    assert torch.equal(result.keys, k0.gather(2, index[..., None].expand(-1, -1, -1, D)))
+    assert result.nbytes == B * H * 5 * 2 * D * 4
+    assert pf.stats.prefetches_used == 1 and pf.stats.per_step[7][0] == result.nbytes
+    assert pf.wait(7) is None  # consumed
+
+
+def test_prefetcher_never_returns_stale_data():
+    tier = RamTier()
+    k0, v0 = kv(64, 0)
+    tier.write(0, k0, v0)
+    pf = Prefetcher()
+    index = torch.zeros(B, H, 3, dtype=torch.long)
+    # A submission for another step is dropped, not returned.
+    pf.submit(1, FetchRequest(tier, 0, index))
+    assert pf.wait(2) is None
+    # A newer submission replaces an unconsumed one (double buffering: one filling, one in use).
+    pf.submit(3, FetchRequest(tier, 0, index))
+    pf.submit(4, FetchRequest(tier, 0, index + 1))
+    assert pf.wait(3) is None
+    # Rewritten or cropped after the submission: the data read may be stale, so it is dropped.
+    pf.submit(5, FetchRequest(tier, 0, index + 2))
+    tier.crop(0, 10)
+    assert pf.wait(5) is None
+    tier.write(0, *kv(64, 9))
+    pf.submit(6, FetchRequest(tier, 0, index))
+    new_k, _ = tier.read(0)
+    result = pf.wait(6)
+    assert torch.equal(result.keys, new_k[:, :, :1].expand(-1, -1, 3, -1))
+    assert pf.stats.prefetches_dropped == 4 and pf.stats.prefetches_used == 1
+    sync = pf.fetch(8, FetchRequest(tier, 0, index))
+    assert pf.stats.sync_fetches == 1 and torch.equal(sync.keys, result.keys)
