@@ -174,7 +174,7 @@ class Tier:
             else:
                 bi, hi, ji = wanted.nonzero(as_tuple=True)
                 out[bi, hi, ji] = slot.data[index[bi, hi, ji], bi, hi]
-            self.bytes_read += int(wanted.sum()) * out[0, 0, 0].numel() * out.element_size()
+            self.bytes_read += int(wanted.sum()) * slot.data[0, 0, 0].numel() * out.element_size()
         out = self._to(out, device, non_blocking)
         return out[..., 0, :], out[..., 1, :]
 

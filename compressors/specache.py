@@ -1,0 +1,122 @@
+"""SpeCache: a low-bit KIVI copy of the whole KV resident, the top tokens fetched back at full precision.
+
+Jie et al., "SpeCache: Speculative Key-Value Caching for Efficient Generation of LLMs", ICML 2025,
+https://arxiv.org/abs/2503.16163; the low-bit copy is KIVI's (Liu et al., ICML 2024,
+https://arxiv.org/abs/2402.02750), computed by :mod:`kvcomp.kernels.quant_ref`.
+
+The full KV lives in a slower tier (see :mod:`kvcomp.retrieval` for the tiers, sinks and recent window, the
+budget, and the prefetch with its correction). Resident summary: a ``bits``-bit copy (1 or 2; 4 also works)
+of every key and value between the sinks and the window — keys per channel over groups of ``group_size``
+tokens, values per token over groups of ``value_group`` channels (default: the whole head), codes packed
+``8 // bits`` to a byte, scales and zero points in the model dtype. Per token and KV head that is
+``2 * D * bits / 8 + 2 * D * s / group_size + 2 * (D / value_group) * s`` bytes (``s`` the dtype size).
+
+Each decode step the low-bit keys score every token (``q . k_hat``, maximized over the query group); the
+top-k tokens per KV head are fetched at full precision and replace their low-bit versions: attention runs
+over sinks + fetched tokens + window at full precision and over every other token's low-bit copy
+(:func:`kvcomp.kernels.quant_ref.quant_attention`, the fetched tokens masked out of the low-bit part).
+
+What is implemented of the speculation, precisely: the paper decodes a *speculative next token* alongside
+each output token (two positions per forward, the second attending over the low-bit cache) and uses its
+queries to choose the next step's tokens. Here, inside one forward of the model, the next step's tokens are
+chosen with the current step's query (the query of the token just decoded stands in for the speculative
+token's), fetched in the background, and corrected synchronously for KV heads whose query moved (cosine
+similarity below ``tau``), exactly as the FreeKV variant. Decoding a second speculative position per step
+needs a custom generation loop and is not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp.compressor import SENTINEL, CompressorError
+from kvcomp.kernels import quant_ref
+from kvcomp.retrieval import Retrieval, RetrievalState
+
+SPECACHE_BITS = (1, 2, 4)
+
+
+@dataclass
+class LowBitCopy:
+    """``N`` groups of ``G`` tokens: key_codes/value_codes ``[B, H, N, G, D * bits / 8]`` uint8,
+    key_scale/key_zero ``[B, H, N, D]``, value_scale/value_zero ``[B, H, N, G, D / C]``."""
+
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.key_codes, self.key_scale, self.key_zero, self.value_codes, self.value_scale, self.value_zero]
+
+
+@dataclass
+class SpeCache(Retrieval):
+    bits: int = 1
+    group_size: int = 64
+    value_group: int | None = None  # value channels per scale; None: the whole head
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.bits, bool) or self.bits not in SPECACHE_BITS:
+            raise CompressorError(f"bits must be one of {SPECACHE_BITS}, got {self.bits!r}.")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0:
+            raise CompressorError(f"group_size must be a positive number of tokens, got {self.group_size!r}.")
+        if self.value_group is not None and (not isinstance(self.value_group, int) or self.value_group <= 0):
+            raise CompressorError(f"value_group must be a positive number of channels or None, got {self.value_group!r}.")
+
+    @property
+    def chunk(self) -> int:  # tokens enter the low-bit copy a key group at a time
+        return self.group_size
+
+    def _channels(self, d: int) -> int:
+        c = self.value_group or d
+        if d % c or d * self.bits % 8:
+            raise CompressorError(f"SpeCache(bits={self.bits}, value_group={c}) does not divide head_dim {d} into bytes.")
+        return c
+
+    def summarize(self, k, v, previous: LowBitCopy | None) -> LowBitCopy:
+        b, h, n, d = k.shape
+        shape = (b, h, n // self.group_size, self.group_size, d)
+        kc, ks, kz = quant_ref.quantize_keys(k.reshape(shape), self.bits)
+        vc, vs, vz = quant_ref.quantize_values(v.reshape(shape), self.bits, self._channels(d))
+        new = LowBitCopy(kc, ks, kz, vc, vs, vz)
+        if previous is None:
+            return new
+        return LowBitCopy(*(torch.cat([a, c], dim=2) for a, c in zip(previous.tensors(), new.tensors())))
+
+    def summary_tensors(self, summary: LowBitCopy | None) -> list[torch.Tensor]:
+        return [] if summary is None else summary.tensors()
+
+    def score(self, state: RetrievalState, qg: torch.Tensor, scaling: float) -> torch.Tensor:
+        # qg: [B, H, G, D] -> [B, H, L] over the low-bit keys
+        s = state.summary
+        keys = quant_ref.dequantize_keys(s.key_codes, s.key_scale, s.key_zero, self.bits, qg.dtype).flatten(2, 3)
+        return torch.matmul(qg, keys.transpose(-1, -2)).amax(2)
+
+    def attend_decode(self, state, q, ctx, keys, values, positions, units):
+        b, h = keys.shape[:2]
+        s = state.summary
+        if s is None:
+            return super().attend_decode(state, q, ctx, keys, values, positions, units)
+        n, g = s.key_codes.shape[2:4]
+        low = torch.arange(state.n_sink, state.n_sink + n * g, device=q.device) + state.start_pos
+        low = low.view(1, 1, -1).expand(b, h, -1)
+        # Fetched tokens replace their low-bit copies: mask those out (-1 units go to a spare slot).
+        fetched = torch.zeros(b, h, n * g + 1, dtype=torch.bool, device=q.device)
+        fetched.scatter_(2, units.masked_fill(units < 0, n * g), True)
+        low = low.masked_fill(fetched[..., :-1], SENTINEL).reshape(b, h, n, g)
+        sink_pos = self._positions(state, 0, state.n_sink, q)
+        recent_pos = self._positions(state, state.boundary, state.length, q)
+        return quant_ref.quant_attention(
+            q, ctx.query_positions, s.key_codes, s.key_scale, s.key_zero, s.value_codes, s.value_scale,
+            s.value_zero, low,
+            torch.cat([state.sink_k, keys, state.recent_k], dim=2),
+            torch.cat([state.sink_v, values, state.recent_v], dim=2),
+            torch.cat([sink_pos, positions, recent_pos], dim=2),
+            self.bits, ctx.scaling, sentinel=SENTINEL,
+        )
