@@ -15,8 +15,8 @@ Each decode step a method scores the summary with the step's queries (``score``:
 aggregated over each KV head's query group by the maximum) and the top units per KV head are fetched.
 Speculative retrieval (``speculative=True``): the units for step t+1 are chosen with step t's queries right
 after step t's attention and fetched in the background (:class:`kvcomp.tiers.Prefetcher`); at step t+1 the
-KV heads whose query moved (cosine similarity to step t's query below ``tau``, the minimum over the query
-group) are corrected by a synchronous fetch of the units their new query selects. The prompt's last query
+KV heads whose query moved (cosine similarity to step t's query below ``tau``, averaged over the KV head's
+query group) are corrected by a synchronous fetch of the units their new query selects. The prompt's last query
 drives the prefetch for the first decode step. ``overlap=False`` keeps the same selections but performs
 each fetch only when it is needed (no overlap: the baseline to measure what overlap buys);
 ``speculative=False`` selects with the step's own query and fetches synchronously (exact retrieval).
@@ -207,7 +207,7 @@ class Retrieval(Compressor):
             result = state.prefetcher.fetch(state.step, self._request(state, units))
         else:
             spec = state.pending_units
-            cos = F.cosine_similarity(qg.float(), state.prev_q.float(), dim=-1).amin(-1)  # [B, H]
+            cos = F.cosine_similarity(qg.float(), state.prev_q.float(), dim=-1).mean(-1)  # [B, H]
             stale = cos < self.tau
             st.speculated += b * h
             st.corrected += int(stale.sum())

@@ -165,8 +165,8 @@ def test_resident_bytes_match_the_formula(make):
     assert state.boundary == 4 + summarized
     if make is FreeKV:
         summary = 2 * b * h * (summarized // chunk) * d * s  # key min and max per page and channel
-    else:  # 1-bit codes for K and V, key scale+zero per group and channel, value scale+zero per token
-        summary = 2 * b * h * summarized * d * 1 // 8 + 2 * b * h * (summarized // chunk) * d * s \
+    else:  # bits-bit codes for K and V, key scale+zero per group and channel, value scale+zero per token
+        summary = 2 * b * h * summarized * d * c.bits // 8 + 2 * b * h * (summarized // chunk) * d * s \
             + 2 * b * h * summarized * 1 * s
     assert sum(t.numel() * t.element_size() for t in c.summary_tensors(state.summary)) == summary
     recent = 200 - 4 - summarized
