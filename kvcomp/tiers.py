@@ -26,8 +26,9 @@ writes at the end of the file. A disk tier is read through the OS page cache (mm
 may still be in RAM; that is what a real offloading system on this machine would see too.
 
 :class:`Prefetcher` moves gathers off the critical path: ``submit(step, request)`` starts fetching in the
-background (a worker thread on CPU; on CUDA the thread issues the copy on a side stream and the consumer
-waits on its event), ``wait(step)`` returns the :class:`FetchResult` submitted for exactly that ``step`` (or
+background (a worker thread on CPU; on CUDA the thread issues the copy on a side stream that first waits
+for the submitting stream — the index is computed there — and the consumer waits on the copy's event; the
+CUDA path is written but has not run on a GPU yet), ``wait(step)`` returns the :class:`FetchResult` submitted for exactly that ``step`` (or
 ``None``), and ``fetch(step, request)`` fetches synchronously. At most one submission is outstanding (double
 buffering: one buffer in use, one filling); a submission for another step, or one whose layer was rewritten
 or cropped since it was read (the tier's per-layer ``version``), is dropped and never returned. Bytes moved,
@@ -377,20 +378,23 @@ def shared_worker() -> ThreadPoolExecutor:
         return _shared_worker
 
 
-def _run_fetch(request: FetchRequest, stream) -> FetchResult:
+def _run_fetch(request: FetchRequest, stream, ready=None) -> FetchResult:
     tier = request.tier
     cuda = stream is not None
     with tier._lock:
         version = tier.version(request.layer)
         if version != request.version:  # rewritten or cropped since the request: its indices are stale
             return FetchResult(request, None, None, 0, version)
-        wanted = int((request.index >= 0).sum())
         if cuda:
             with torch.cuda.stream(stream):
+                if ready is not None:  # the index was computed on the submitting stream
+                    stream.wait_event(ready)
+                wanted = int((request.index >= 0).sum())
                 k, v = tier.gather(request.layer, request.index, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
         else:
+            wanted = int((request.index >= 0).sum())
             k, v = tier.gather(request.layer, request.index)
             event = None
     nbytes = 2 * wanted * k.shape[-1] * k.element_size()
@@ -409,7 +413,7 @@ class Prefetcher:
         self.executor = executor
         self.stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self.stats = TransferStats()
-        self._pending: tuple[Any, FetchRequest, Future | None] | None = None
+        self._pending: tuple[Any, FetchRequest, Future | None, Any] | None = None
 
     @property
     def _cuda(self) -> bool:
@@ -420,10 +424,13 @@ class Prefetcher:
         self.cancel()
         if request.version is None:
             request.version = request.tier.version(request.layer)
-        future = None
+        future, ready = None, None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         if self.overlap:
-            future = (self.executor or shared_worker()).submit(_run_fetch, request, self.stream)
-        self._pending = (step, request, future)
+            future = (self.executor or shared_worker()).submit(_run_fetch, request, self.stream, ready)
+        self._pending = (step, request, future, ready)
         self.stats.prefetches += 1
 
     def pending_request(self) -> FetchRequest | None:
@@ -431,7 +438,7 @@ class Prefetcher:
 
     def cancel(self) -> None:
         if self._pending is not None:
-            _, _, future = self._pending
+            future = self._pending[2]
             if future is not None and not future.cancel():
                 future.exception()  # let it finish: its buffers must not be freed while being written
             self._pending = None
@@ -445,10 +452,10 @@ class Prefetcher:
         if self._pending[0] != step:
             self.cancel()
             return None
-        _, request, future = self._pending
+        _, request, future, ready = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        result = future.result() if future is not None else _run_fetch(request, self.stream)
+        result = future.result() if future is not None else _run_fetch(request, self.stream, ready)
         if result.event is not None and result.keys is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(result.event)

@@ -223,3 +223,29 @@ def test_batches_are_refused_before_compute(tiny):
     model, tokenizer = tiny
     with pytest.raises(CompressorError, match="batch size > 1"):
         generate(model, tokenizer, CONTEXTS[:2], QUESTIONS[:2], compressor=FreeKV())
+
+
+@pytest.mark.parametrize("make", VARIANTS, ids=IDS)
+def test_long_decode_moves_chunks_into_the_summary(tiny, make):
+    """60 steps with a small budget: the window stays within [window, window + chunk), the summary covers
+    exactly the tokens between sinks and window, and every step fetched at most top_k units per head."""
+    model, _ = tiny
+    ids = torch.randint(10, 40000, (1, 50), generator=torch.Generator().manual_seed(3))
+    compressor = make(top_k=2, tier="disk")
+    cache = CompressedCache(model, compressor)
+    with torch.inference_mode():
+        out = model(input_ids=ids, cache=cache, use_cache=True)
+        for _ in range(60):
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    for layer in cache.layers:
+        state = layer.state
+        assert state.length == 110 == state.tier.length(layer.layer_idx)
+        recent = state.recent_k.shape[2]
+        assert 8 <= recent < 8 + compressor.chunk and state.boundary == 110 - recent
+        assert (state.boundary - 4) % compressor.chunk == 0
+        assert state.stats.decode_steps == 60
+        assert state.stats.fetched_tokens <= 60 * 2 * 2 * compressor.unit
+        k, _ = state.tier.read(layer.layer_idx, state.boundary)
+        assert torch.equal(k, state.recent_k)
+    stats = retrieval_stats(cache)
+    assert stats["bytes_per_token"] > 0 and 0 <= stats["hit_rate"] <= 1 and 0 <= stats["recall"] <= 1
