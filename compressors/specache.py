@@ -18,9 +18,10 @@ answer with 1 bit, right with 2 bits, at budget_fraction 0.25). In bfloat16 the 
 the full KV, so a 1/8 budget there needs ``bits=1``.
 
 Each decode step the low-bit keys score every token (``q . k_hat``, maximized over the query group); the
-top-k tokens per KV head are fetched at full precision and replace their low-bit versions: attention runs
-over sinks + fetched tokens + window at full precision and over every other token's low-bit copy
-(:func:`kvcomp.kernels.quant_ref.quant_attention`, the fetched tokens masked out of the low-bit part).
+top-k tokens per KV head are fetched at full precision and replace their low-bit versions: one softmax runs
+over sinks + fetched tokens + window at full precision and over every other token's low-bit copy (the
+scoring logits are reused for the low-bit part, so the low-bit keys are dequantized once per step; the
+values once too, ``[B, H, L, D]`` in float32 — the same transient as a dense step's K/V).
 
 What is implemented of the speculation, precisely: the paper decodes a *speculative next token* alongside
 each output token (two positions per forward, the second attending over the low-bit cache) and uses its
@@ -99,30 +100,40 @@ class SpeCache(Retrieval):
         return [] if summary is None else summary.tensors()
 
     def score(self, state: RetrievalState, qg: torch.Tensor, scaling: float) -> torch.Tensor:
-        # qg: [B, H, G, D] -> [B, H, L] over the low-bit keys
+        # qg: [B, H, G, D] -> [B, H, L] over the low-bit keys; the logits are kept for this step's attention.
         s = state.summary
-        keys = quant_ref.dequantize_keys(s.key_codes, s.key_scale, s.key_zero, self.bits, qg.dtype).flatten(2, 3)
-        return torch.matmul(qg, keys.transpose(-1, -2)).amax(2)
+        cdt = torch.promote_types(qg.dtype, torch.float32)
+        keys = quant_ref.dequantize_keys(s.key_codes, s.key_scale, s.key_zero, self.bits, cdt).flatten(2, 3)
+        logits = torch.matmul(qg.to(cdt), keys.transpose(-1, -2))  # [B, H, G, L]
+        state.scratch = logits
+        return logits.amax(2)
 
     def attend_decode(self, state, q, ctx, keys, values, positions, units):
+        """One softmax over the full-precision tokens (sinks, fetched, window) and the low-bit copies of the
+        others; the low-bit keys' logits come from this step's scoring, values are dequantized once."""
         b, h = keys.shape[:2]
-        s = state.summary
+        s, logits_low = state.summary, state.scratch
+        state.scratch = None
         if s is None:
             return super().attend_decode(state, q, ctx, keys, values, positions, units)
-        n, g = s.key_codes.shape[2:4]
-        low = torch.arange(state.n_sink, state.n_sink + n * g, device=q.device) + state.start_pos
-        low = low.view(1, 1, -1).expand(b, h, -1)
+        hq, d = q.shape[1], q.shape[-1]
+        qg = q.reshape(b, h, hq // h, d)
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        if logits_low is None:  # nothing was scored this step (no unit fits the budget)
+            self.score(state, qg, ctx.scaling)
+            logits_low, state.scratch = state.scratch, None
+        n_low = logits_low.shape[-1]
         # Fetched tokens replace their low-bit copies: mask those out (-1 units go to a spare slot).
-        fetched = torch.zeros(b, h, n * g + 1, dtype=torch.bool, device=q.device)
-        fetched.scatter_(2, units.masked_fill(units < 0, n * g), True)
-        low = low.masked_fill(fetched[..., :-1], SENTINEL).reshape(b, h, n, g)
-        sink_pos = self._positions(state, 0, state.n_sink, q)
-        recent_pos = self._positions(state, state.boundary, state.length, q)
-        return quant_ref.quant_attention(
-            q, ctx.query_positions, s.key_codes, s.key_scale, s.key_zero, s.value_codes, s.value_scale,
-            s.value_zero, low,
-            torch.cat([state.sink_k, keys, state.recent_k], dim=2),
-            torch.cat([state.sink_v, values, state.recent_v], dim=2),
-            torch.cat([sink_pos, positions, recent_pos], dim=2),
-            self.bits, ctx.scaling, sentinel=SENTINEL,
-        )
+        fetched = torch.zeros(b, h, n_low + 1, dtype=torch.bool, device=q.device)
+        fetched.scatter_(2, units.masked_fill(units < 0, n_low), True)
+        logits_low = logits_low.masked_fill(fetched[:, :, None, :-1], float("-inf"))
+        k_fp = torch.cat([state.sink_k, keys, state.recent_k], dim=2).to(cdt)
+        v_fp = torch.cat([state.sink_v, values, state.recent_v], dim=2).to(cdt)
+        pos_fp = torch.cat([self._positions(state, 0, state.n_sink, q), positions,
+                            self._positions(state, state.boundary, state.length, q)], dim=2)
+        logits_fp = torch.matmul(qg.to(cdt), k_fp.transpose(-1, -2))  # [B, H, G, F]
+        logits_fp = logits_fp.masked_fill((pos_fp >= SENTINEL).unsqueeze(2), float("-inf"))
+        probs = (torch.cat([logits_low, logits_fp], dim=-1) * ctx.scaling).softmax(-1)
+        v_low = quant_ref.dequantize_values(s.value_codes, s.value_scale, s.value_zero, self.bits, cdt).flatten(2, 3)
+        out = torch.matmul(probs[..., :n_low], v_low) + torch.matmul(probs[..., n_low:], v_fp)
+        return out.reshape(b, hq, 1, d).to(q.dtype)

@@ -83,6 +83,7 @@ class RetrievalState:
     pending_units: torch.Tensor | None = None  # [B, H, k] units of the outstanding prefetch
     step: int = 0
     fetch_bytes: int = 0  # the fetch buffer: the largest of the last used and the outstanding fetch
+    scratch: Any = None  # a method's per-step intermediate (SpeCache: the low-bit logits of this step's query)
     stats: RetrievalStats = field(default_factory=RetrievalStats)
 
     def resident_tensors(self) -> list[torch.Tensor]:

@@ -249,3 +249,26 @@ def test_long_decode_moves_chunks_into_the_summary(tiny, make):
         assert torch.equal(k, state.recent_k)
     stats = retrieval_stats(cache)
     assert stats["bytes_per_token"] > 0 and 0 <= stats["hit_rate"] <= 1 and 0 <= stats["recall"] <= 1
+
+
+def test_specache_attends_fetched_tokens_in_place_of_their_low_bit_copies():
+    from kvcomp.attention import dense_attention
+    from kvcomp.kernels import quant_ref
+
+    q, k, v, ctx = layer_inputs()
+    c = SpeCache(bits=2, group_size=8, top_k=9, n_sink=4, window=8, tier="ram", speculative=False)
+    state = c.prefill(0, q, k, v, ctx)
+    query = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(5))
+    units = c._select(state, query.view(1, 2, 2, 16), 1.0)
+    out = c.attend(0, state, query, decode_ctx(199))
+    s, mid = state.summary, slice(4, state.boundary)
+    k_low = quant_ref.dequantize_keys(s.key_codes, s.key_scale, s.key_zero, 2).flatten(2, 3)
+    v_low = quant_ref.dequantize_values(s.value_codes, s.value_scale, s.value_zero, 2).flatten(2, 3)
+    assert not torch.equal(k_low, k[:, :, mid])
+    idx = units.unsqueeze(-1).expand(-1, -1, -1, 16)
+    k_low.scatter_(2, idx, k[:, :, mid].gather(2, idx))
+    v_low.scatter_(2, idx, v[:, :, mid].gather(2, idx))
+    keys = torch.cat([k[:, :, :4], k_low, k[:, :, state.boundary:]], dim=2)
+    values = torch.cat([v[:, :, :4], v_low, v[:, :, state.boundary:]], dim=2)
+    expected, _ = dense_attention(query, keys, values, torch.tensor([[199]]), ctx.positions, 16**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
