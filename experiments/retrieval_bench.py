@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="freekv|specache, optionally -nooverlap (no background fetch) or -exact (no speculation)")
     p.add_argument("--tier", default="disk")
     p.add_argument("--offload-dir", default=None)
+    p.add_argument("--timing-samples", type=int, default=None,
+                   help="run the -nooverlap configurations (timing only: same outputs) on the first N samples")
     p.add_argument("--out", default="runs/retrieval_bench")
     args = p.parse_args(argv)
 
@@ -123,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for task_name in args.tasks:
         task = load_samples(task_name, tokenizer, length=args.length, num_samples=args.samples, seed=0)
-        for sample in task:
+        for i, sample in enumerate(task):
             for config in configs:
                 if (config, sample.id) in done:
+                    continue
+                if config.endswith("-nooverlap") and args.timing_samples is not None and i >= args.timing_samples:
                     continue
                 compressor = None if config == "none" else make_compressor(config, args.budget, args.tier,
                                                                          args.offload_dir)
