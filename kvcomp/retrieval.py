@@ -306,6 +306,7 @@ class Retrieval(Compressor):
             units = self._select(state, qg, scaling)
         state.prev_q = qg.clone()
         state.pending_units = units
+        state.scratch = None  # per-step intermediates do not outlive the step
         request = self._request(state, units)
         state.prefetcher.submit(state.step + 1, request)
         state.fetch_bytes = max(state.fetch_bytes, 2 * request.index.numel() * d * state.sink_k.element_size())
