@@ -25,7 +25,8 @@ contiguous run of ``2 * D * itemsize`` bytes, so gathering scattered tokens read
 writes at the end of the file. A disk tier is read through the OS page cache (mmap): a recently written file
 may still be in RAM; that is what a real offloading system on this machine would see too.
 
-:class:`Prefetcher` moves gathers off the critical path: ``submit(step, request)`` starts fetching in the
+:class:`Prefetcher` moves reads off the critical path (a :class:`FetchRequest` is a gather of token indices
+or a token range of one layer): ``submit(step, request)`` starts fetching in the
 background (a worker thread on CPU; on CUDA the thread issues the copy on a side stream that first waits
 for the submitting stream — the index is computed there — and the consumer waits on the copy's event; the
 CUDA path is written but has not run on a GPU yet), ``wait(step)`` returns the :class:`FetchResult` submitted for exactly that ``step`` (or
@@ -323,12 +324,24 @@ def make_tier(kind: str, device=None, **kwargs: Any) -> Tier:
 # -- prefetch --------------------------------------------------------------------------------------------
 @dataclass
 class FetchRequest:
-    """Tokens ``index`` ``[B, H, k]`` of ``layer`` in ``tier`` (``-1``: not wanted)."""
+    """Tokens ``index`` ``[B, H, k]`` of ``layer`` in ``tier`` (``-1``: not wanted), or, with ``index=None``,
+    the range ``[start, stop)`` (``stop=None``: to the end), e.g. a whole layer streamed in for verification."""
 
     tier: Tier
     layer: int
-    index: torch.Tensor
+    index: torch.Tensor | None = None
+    start: int = 0
+    stop: int | None = None
     version: int | None = None  # the layer's version when the request was made (set by submit/fetch)
+
+    def _read(self, **kwargs) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(k, v, tokens read per row and head summed)`` (called with the tier's lock held)."""
+        if self.index is None:
+            k, v = self.tier.read(self.layer, self.start, self.stop, **kwargs)
+            return k, v, k.shape[0] * k.shape[1] * k.shape[2]
+        wanted = int((self.index >= 0).sum())
+        k, v = self.tier.gather(self.layer, self.index, **kwargs)
+        return k, v, wanted
 
 
 @dataclass
@@ -389,13 +402,11 @@ def _run_fetch(request: FetchRequest, stream, ready=None) -> FetchResult:
             with torch.cuda.stream(stream):
                 if ready is not None:  # the index was computed on the submitting stream
                     stream.wait_event(ready)
-                wanted = int((request.index >= 0).sum())
-                k, v = tier.gather(request.layer, request.index, non_blocking=True)
+                k, v, wanted = request._read(non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
         else:
-            wanted = int((request.index >= 0).sum())
-            k, v = tier.gather(request.layer, request.index)
+            k, v, wanted = request._read()
             event = None
     nbytes = 2 * wanted * k.shape[-1] * k.element_size()
     return FetchResult(request, k, v, nbytes, version, event)

@@ -172,3 +172,16 @@ def test_prefetcher_never_returns_stale_data():
     assert pf.stats.prefetches_dropped == 4 and pf.stats.prefetches_used == 1
     sync = pf.fetch(8, FetchRequest(tier, 0, index))
     assert pf.stats.sync_fetches == 1 and torch.equal(sync.keys, result.keys)
+
+
+def test_prefetcher_streams_a_token_range(tmp_path):
+    with DiskTier(directory=tmp_path) as tier:
+        k0, v0 = kv(70, 3)
+        tier.write(2, k0, v0)
+        pf = Prefetcher()
+        pf.submit(("verify", 2), FetchRequest(tier, 2, start=10))
+        result = pf.wait(("verify", 2))
+        assert torch.equal(result.keys, k0[:, :, 10:]) and torch.equal(result.values, v0[:, :, 10:])
+        assert result.nbytes == B * H * 60 * 2 * D * 4 == pf.stats.bytes_moved
+        tier.append(2, *kv(1, 4))
+        assert torch.equal(pf.fetch(0, FetchRequest(tier, 2, start=5, stop=9)).keys, k0[:, :, 5:9])
