@@ -28,8 +28,9 @@ Budget: ``top_k`` units per KV head when set; otherwise ``budget_fraction`` of t
 the fast-tier budget, and what summary, sinks and window leave of it is spent on fetched tokens (at least
 none), so ``memory_factor`` is about ``1 / budget_fraction`` once the context is long enough.
 
-Scope: batch size 1 (``supports_batch=False``) and contiguous positions (it cannot follow an eviction stage
-in ``Compose``). Per-step transfer statistics are on each layer state (``state.stats`` and the prefetcher's
+``rollback(state, n)`` undoes the last ``n`` tokens (lossless decoding): the tier is cropped and the state
+becomes the one the shorter history would have built. Scope: batch size 1 (``supports_batch=False``) and
+contiguous positions (it cannot follow an eviction stage in ``Compose``). Per-step transfer statistics are on each layer state (``state.stats`` and the prefetcher's
 ``state.prefetcher.stats``); :func:`retrieval_stats` sums them over a cache.
 """
 
@@ -232,6 +233,35 @@ class Retrieval(Compressor):
             # The selection this step's query made is the next step's speculation, unless the summary grew.
             self._prefetch_next(state, q, ctx.scaling, None if advanced else fresh)
         return out
+
+    def checkpoint(self, state: RetrievalState) -> RetrievalState:
+        # Nothing to save: every token is in the tier, so rollback rebuilds what it removes from there.
+        return state
+
+    def rollback(self, state: RetrievalState, n: int) -> RetrievalState:
+        """Undo the last ``n`` tokens: crop the tier (which invalidates an outstanding prefetch) and, when the
+        window would hold fewer than ``window`` tokens, drop summary chunks and read their tokens back from the
+        tier into the window — the state a history without those tokens would have built."""
+        if n <= 0:
+            return state
+        length = state.length - n
+        if length < state.n_sink:
+            raise CompressorError(f"rollback({n}) would remove prompt sink tokens ({state.length} stored).")
+        state.prefetcher.cancel()
+        state.pending_units = None
+        state.tier.crop(state.layer, length)
+        state.length = length
+        if length - self.window < state.boundary:  # the window would fall short: un-summarize whole chunks
+            chunks = max(0, length - state.n_sink - self.window) // self.chunk
+            state.boundary = state.n_sink + chunks * self.chunk
+            tensors = self.summary_tensors(state.summary)
+            state.summary = type(state.summary)(*(t[:, :, :chunks] for t in tensors)) if chunks else None
+            state.recent_k, state.recent_v = state.tier.read(state.layer, state.boundary, length)
+        else:
+            keep = length - state.boundary
+            state.recent_k = state.recent_k[:, :, :keep].clone()
+            state.recent_v = state.recent_v[:, :, :keep].clone()
+        return state
 
     def materialize(self, state: RetrievalState):
         keys, values = state.tier.read(state.layer)

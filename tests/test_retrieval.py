@@ -272,3 +272,31 @@ def test_specache_attends_fetched_tokens_in_place_of_their_low_bit_copies():
     values = torch.cat([v[:, :, :4], v_low, v[:, :, state.boundary:]], dim=2)
     expected, _ = dense_attention(query, keys, values, torch.tensor([[199]]), ctx.positions, 16**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [FreeKV, SpeCache], ids=IDS)
+def test_rollback_equals_never_having_appended(make):
+    """Lossless decoding rolls a drafter back: undoing tokens that already entered the summary leaves the
+    state a shorter history would have built (tier, window, summary)."""
+    kw = dict(top_k=2, n_sink=4, window=8, tier="ram", **({"page_size": 8} if make is FreeKV else {"group_size": 8}))
+    q, k, v, ctx = layer_inputs(n=60)
+    extra_k, extra_v = torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
+
+    def run(steps):
+        c = make(**kw)
+        state = c.prefill(0, q, k, v, ctx)
+        for i in range(steps):
+            state = c.append(0, state, extra_k[:, :, i:i + 1], extra_v[:, :, i:i + 1], decode_ctx(60 + i))
+            c.attend(0, state, torch.randn(1, 4, 1, 16), decode_ctx(60 + i))
+        return c, state
+
+    c, rolled = run(30)
+    c.rollback(rolled, 19)
+    _, fresh = run(11)
+    assert rolled.length == fresh.length == rolled.tier.length(0) == 71
+    assert rolled.boundary == fresh.boundary
+    assert torch.equal(rolled.recent_k, fresh.recent_k) and torch.equal(rolled.recent_v, fresh.recent_v)
+    for a, b in zip(c.summary_tensors(rolled.summary), c.summary_tensors(fresh.summary)):
+        assert torch.equal(a, b)
+    assert torch.equal(rolled.tier.read(0)[0], fresh.tier.read(0)[0])
+    c.attend(0, rolled, torch.randn(1, 4, 1, 16), decode_ctx(71))  # decoding continues after a rollback
