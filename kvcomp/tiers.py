@@ -38,6 +38,7 @@ time waited, prefetches used and dropped are counted per step in :class:`Transfe
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -59,7 +60,7 @@ _MIN_GROWTH = 256  # tokens added at least when a layer's storage grows
 class _Slot:
     data: torch.Tensor  # [capacity, B, H, 2, D]
     length: int = 0
-    version: int = 0  # bumped by write/crop/free: anything that changes tokens already stored
+    version: int = 0  # new (unique within the tier) on write and crop: whatever changes tokens already stored
 
 
 class Tier:
@@ -71,6 +72,7 @@ class Tier:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._slots: dict[int, _Slot] = {}
         self._lock = threading.RLock()  # the prefetch worker reads while the model thread appends
+        self._versions = itertools.count()  # never reused, so a request made before free + write is stale
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -107,7 +109,7 @@ class Tier:
                 self._release(layer)
             b, h, n, d = k.shape
             data = self._allocate(layer, max(n, 1), (b, h, 2, d), k.dtype)
-            self._slots[layer] = _Slot(data, 0, 0 if old is None else old.version + 1)
+            self._slots[layer] = _Slot(data, 0, next(self._versions))
             self._put(layer, k, v)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -188,7 +190,7 @@ class Tier:
                 length = max(0, slot.length + length)
             if length < slot.length:
                 slot.length = length
-                slot.version += 1
+                slot.version = next(self._versions)
 
     def free(self, layer: int) -> None:
         with self._lock:
