@@ -83,7 +83,7 @@ class RetrievalState:
     prev_q: torch.Tensor | None = None
     pending_units: torch.Tensor | None = None  # [B, H, k] units of the outstanding prefetch
     step: int = 0
-    fetch_bytes: int = 0  # the fetch buffer: the largest of the last used and the outstanding fetch
+    fetch_bytes: int = 0  # the fetch buffer now: the outstanding prefetch, else the last step's fetch
     scratch: Any = None  # a method's per-step intermediate (SpeCache: the low-bit logits of this step's query)
     stats: RetrievalStats = field(default_factory=RetrievalStats)
 
@@ -223,7 +223,7 @@ class Retrieval(Compressor):
             else:
                 units = spec
         keys, values, index = result.keys, result.values, result.request.index
-        state.fetch_bytes = max(state.fetch_bytes, _buffer_bytes(keys, values))
+        state.fetch_bytes = _buffer_bytes(keys, values)
         st.fetched_tokens += int((index >= 0).sum())
         positions = torch.where(index >= 0, state.start_pos + index, SENTINEL)
         out = self.attend_decode(state, q, ctx, keys, values, positions, units)
@@ -339,7 +339,8 @@ class Retrieval(Compressor):
         state.scratch = None  # per-step intermediates do not outlive the step
         request = self._request(state, units)
         state.prefetcher.submit(state.step + 1, request)
-        state.fetch_bytes = max(state.fetch_bytes, 2 * request.index.numel() * d * state.sink_k.element_size())
+        # The step's own buffer is released after its attention; the prefetch buffer takes its place.
+        state.fetch_bytes = 2 * request.index.numel() * d * state.sink_k.element_size()
 
     def _attend_block(self, state: RetrievalState, q: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         state.prefetcher.cancel()
