@@ -404,15 +404,16 @@ def retrieval_stats(cache) -> dict[str, float]:
             setattr(s, name, getattr(s, name) + getattr(state.stats, name))
         waited += state.prefetcher.stats.wait_seconds
     steps = max(1, states[0].stats.decode_steps)
-    speculated = max(1, s.speculated)
+    # With nothing fetched (the budget left no room for a unit) a hit or a recall means nothing.
+    speculated = max(1, s.speculated) if s.fetched_tokens else 0
     return {
         "decode_steps": states[0].stats.decode_steps,
         "bytes_moved": s.decode_bytes,
         "bytes_per_token": s.decode_bytes / steps,
         "block_bytes": s.block_bytes,
-        "hit_rate": (s.speculated - s.corrected) / max(1, s.head_steps),
-        "correction_rate": s.corrected / speculated,
-        "recall": s.recall_sum / speculated if s.speculated else float("nan"),
+        "hit_rate": (s.speculated - s.corrected) / max(1, s.head_steps) if speculated else float("nan"),
+        "correction_rate": s.corrected / speculated if speculated else float("nan"),
+        "recall": s.recall_sum / speculated if speculated and s.speculated else float("nan"),
         "fetched_tokens_per_head_step": s.fetched_tokens / max(1, s.head_steps),
         "wait_seconds": waited,
         "wait_seconds_per_token": waited / steps,
