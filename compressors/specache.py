@@ -1,0 +1,139 @@
+"""SpeCache: a low-bit KIVI copy of the whole KV resident, the top tokens fetched back at full precision.
+
+Jie et al., "SpeCache: Speculative Key-Value Caching for Efficient Generation of LLMs", ICML 2025,
+https://arxiv.org/abs/2503.16163; the low-bit copy is KIVI's (Liu et al., ICML 2024,
+https://arxiv.org/abs/2402.02750), computed by :mod:`kvcomp.kernels.quant_ref`.
+
+The full KV lives in a slower tier (see :mod:`kvcomp.retrieval` for the tiers, sinks and recent window, the
+budget, and the prefetch with its correction). Resident summary: a ``bits``-bit copy (1, 2 or 4; default 2)
+of every key and value between the sinks and the window — keys per channel over groups of ``group_size``
+tokens, values per token over groups of ``value_group`` channels (default: the whole head), codes packed
+``8 // bits`` to a byte, scales and zero points in the model dtype. Per token and KV head that is
+``2 * D * bits / 8 + 2 * D * s / group_size + 2 * (D / value_group) * s`` bytes (``s`` the dtype size).
+
+Per token and KV head at D = 64 in float32 (the CPU default), 2 bits with ``group_size`` 64 cost 48 bytes
+against 512 (9.4%, leaving about 3% of a 1/8 budget for sinks, window and fetched tokens); 1 bit costs 32
+(6.25%) but attending to the other tokens' 1-bit copies derails SmolLM2-135M (a 1K needle sample: wrong
+answer with 1 bit, right with 2 bits, at budget_fraction 0.25). In bfloat16 the 2-bit codes alone are 1/8 of
+the full KV, so a 1/8 budget there needs ``bits=1``.
+
+Each decode step the low-bit keys score every token (``q . k_hat``, maximized over the query group); the
+top-k tokens per KV head are fetched at full precision and replace their low-bit versions: one softmax runs
+over sinks + fetched tokens + window at full precision and over every other token's low-bit copy (the
+scoring logits are reused for the low-bit part, so the low-bit keys are dequantized once per step; the
+values once too, ``[B, H, L, D]`` in float32 — the same transient as a dense step's K/V).
+
+What is implemented of the speculation, precisely: the paper decodes a *speculative next token* alongside
+each output token (two positions per forward, the second attending over the low-bit cache) and uses its
+queries to choose the next step's tokens. Here, inside one forward of the model, the next step's tokens are
+chosen with the current step's query (the query of the token just decoded stands in for the speculative
+token's), fetched in the background, and corrected synchronously for KV heads whose query moved (cosine
+similarity below ``tau``), exactly as the FreeKV variant. Decoding a second speculative position per step
+needs a custom generation loop and is not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp.compressor import SENTINEL, CompressorError
+from kvcomp.kernels import quant_ref
+from kvcomp.retrieval import Retrieval, RetrievalState
+
+SPECACHE_BITS = (1, 2, 4)
+
+
+@dataclass
+class LowBitCopy:
+    """``N`` groups of ``G`` tokens: key_codes/value_codes ``[B, H, N, G, D * bits / 8]`` uint8,
+    key_scale/key_zero ``[B, H, N, D]``, value_scale/value_zero ``[B, H, N, G, D / C]``."""
+
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.key_codes, self.key_scale, self.key_zero, self.value_codes, self.value_scale, self.value_zero]
+
+
+@dataclass
+class SpeCache(Retrieval):
+    bits: int = 2  # 1 bit loses the needle on SmolLM2-135M (module docstring)
+    group_size: int = 64
+    value_group: int | None = None  # value channels per scale; None: the whole head
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.bits, bool) or self.bits not in SPECACHE_BITS:
+            raise CompressorError(f"bits must be one of {SPECACHE_BITS}, got {self.bits!r}.")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0:
+            raise CompressorError(f"group_size must be a positive number of tokens, got {self.group_size!r}.")
+        if self.value_group is not None and (not isinstance(self.value_group, int) or self.value_group <= 0):
+            raise CompressorError(f"value_group must be a positive number of channels or None, got {self.value_group!r}.")
+
+    @property
+    def chunk(self) -> int:  # tokens enter the low-bit copy a key group at a time
+        return self.group_size
+
+    def _channels(self, d: int) -> int:
+        c = self.value_group or d
+        if d % c or d * self.bits % 8:
+            raise CompressorError(f"SpeCache(bits={self.bits}, value_group={c}) does not divide head_dim {d} into bytes.")
+        return c
+
+    def summarize(self, k, v, previous: LowBitCopy | None) -> LowBitCopy:
+        b, h, n, d = k.shape
+        shape = (b, h, n // self.group_size, self.group_size, d)
+        kc, ks, kz = quant_ref.quantize_keys(k.reshape(shape), self.bits)
+        vc, vs, vz = quant_ref.quantize_values(v.reshape(shape), self.bits, self._channels(d))
+        new = LowBitCopy(kc, ks, kz, vc, vs, vz)
+        if previous is None:
+            return new
+        return LowBitCopy(*(torch.cat([a, c], dim=2) for a, c in zip(previous.tensors(), new.tensors())))
+
+    def summary_tensors(self, summary: LowBitCopy | None) -> list[torch.Tensor]:
+        return [] if summary is None else summary.tensors()
+
+    def score(self, state: RetrievalState, qg: torch.Tensor, scaling: float) -> torch.Tensor:
+        # qg: [B, H, G, D] -> [B, H, L] over the low-bit keys; the logits are kept for this step's attention.
+        s = state.summary
+        cdt = torch.promote_types(qg.dtype, torch.float32)
+        keys = quant_ref.dequantize_keys(s.key_codes, s.key_scale, s.key_zero, self.bits, cdt).flatten(2, 3)
+        logits = torch.matmul(qg.to(cdt), keys.transpose(-1, -2))  # [B, H, G, L]
+        state.scratch = logits
+        return logits.amax(2)
+
+    def attend_decode(self, state, q, ctx, keys, values, positions, units):
+        """One softmax over the full-precision tokens (sinks, fetched, window) and the low-bit copies of the
+        others; the low-bit keys' logits come from this step's scoring, values are dequantized once."""
+        b, h = keys.shape[:2]
+        s, logits_low = state.summary, state.scratch
+        state.scratch = None
+        if s is None:
+            return super().attend_decode(state, q, ctx, keys, values, positions, units)
+        hq, d = q.shape[1], q.shape[-1]
+        qg = q.reshape(b, h, hq // h, d)
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        if logits_low is None:  # nothing was scored this step (no unit fits the budget)
+            self.score(state, qg, ctx.scaling)
+            logits_low, state.scratch = state.scratch, None
+        n_low = logits_low.shape[-1]
+        # Fetched tokens replace their low-bit copies: mask those out (-1 units go to a spare slot).
+        fetched = torch.zeros(b, h, n_low + 1, dtype=torch.bool, device=q.device)
+        fetched.scatter_(2, units.masked_fill(units < 0, n_low), True)
+        logits_low = logits_low.masked_fill(fetched[:, :, None, :-1], float("-inf"))
+        k_fp = torch.cat([state.sink_k, keys, state.recent_k], dim=2).to(cdt)
+        v_fp = torch.cat([state.sink_v, values, state.recent_v], dim=2).to(cdt)
+        pos_fp = torch.cat([self._positions(state, 0, state.n_sink, q), positions,
+                            self._positions(state, state.boundary, state.length, q)], dim=2)
+        logits_fp = torch.matmul(qg.to(cdt), k_fp.transpose(-1, -2))  # [B, H, G, F]
+        logits_fp = logits_fp.masked_fill((pos_fp >= SENTINEL).unsqueeze(2), float("-inf"))
+        probs = (torch.cat([logits_low, logits_fp], dim=-1) * ctx.scaling).softmax(-1)
+        v_low = quant_ref.dequantize_values(s.value_codes, s.value_scale, s.value_zero, self.bits, cdt).flatten(2, 3)
+        out = torch.matmul(probs[..., :n_low], v_low) + torch.matmul(probs[..., n_low:], v_fp)
+        return out.reshape(b, hq, 1, d).to(q.dtype)

@@ -1,0 +1,420 @@
+"""Retrieval with offload: the full KV in a slower tier, a small resident summary, per-step retrieval.
+
+The shared machinery of :class:`compressors.freekv.FreeKV` and :class:`compressors.specache.SpeCache`.
+Nothing is thrown away: every token's K/V is written to a :class:`kvcomp.tiers.Tier` (``tier``: disk, host
+memory or RAM) at prefill and appended while decoding. Resident on the fast tier, per layer:
+
+* the first ``n_sink`` tokens and the recent tokens (``window`` to ``window + chunk - 1`` of them), at full
+  precision;
+* a method-specific *summary* of the tokens in between, built a whole ``chunk`` at a time (FreeKV: a page's
+  per-channel key min/max; SpeCache: a low-bit KIVI copy, a quantization group at a time) — tokens leave the
+  recent window a chunk at a time, when ``window + chunk`` have accumulated;
+* the fetch buffer: the full-precision K/V of the units (pages or tokens) selected for the current step.
+
+Each decode step a method scores the summary with the step's queries (``score``: ``[B, H_kv, U]`` per unit,
+aggregated over each KV head's query group by the maximum) and the top units per KV head are fetched.
+Speculative retrieval (``speculative=True``): the units for step t+1 are chosen with step t's queries right
+after step t's attention and fetched in the background (:class:`kvcomp.tiers.Prefetcher`); at step t+1 the
+KV heads whose query moved (cosine similarity to step t's query below ``tau``, averaged over the KV head's
+query group) are corrected by a synchronous fetch of the units their new query selects. The prompt's last query
+drives the prefetch for the first decode step. ``overlap=False`` keeps the same selections but performs
+each fetch only when it is needed (no overlap: the baseline to measure what overlap buys);
+``speculative=False`` selects with the step's own query and fetches synchronously (exact retrieval).
+
+A forward of several tokens (a question block appended to a compressed context, a verified draft) attends
+over the full KV read back from the tier: that is prefill-like work, as in FreeKV and SpeCache.
+
+Budget: ``top_k`` units per KV head when set; otherwise ``budget_fraction`` of the layer's full-KV bytes is
+the fast-tier budget, and what summary, sinks and window leave of it is spent on fetched tokens (at least
+none), so ``memory_factor`` is about ``1 / budget_fraction`` once the context is long enough.
+
+``rollback(state, n)`` undoes the last ``n`` tokens (lossless decoding): the tier is cropped and the state
+becomes the one the shorter history would have built. Scope: batch size 1 (``supports_batch=False``) and
+contiguous positions (it cannot follow an eviction stage in ``Compose``). Per-step transfer statistics are on each layer state (``state.stats`` and the prefetcher's
+``state.prefetcher.stats``); :func:`retrieval_stats` sums them over a cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from kvcomp.attention import dense_attention
+from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext
+from kvcomp.tiers import TIER_KINDS, FetchRequest, Prefetcher, Tier, make_tier
+
+
+@dataclass
+class RetrievalStats:
+    """Counters of one layer; ``head_steps`` counts (decode step, KV head) pairs."""
+
+    decode_steps: int = 0
+    head_steps: int = 0
+    speculated: int = 0  # head-steps that had a prefetched selection
+    corrected: int = 0  # ... of which the query moved (cosine < tau) and a synchronous fetch replaced it
+    recall_sum: float = 0.0  # sum over speculated head-steps of |prefetched ∩ needed| / |needed| (units)
+    decode_bytes: int = 0  # bytes moved from the slow tier for decode steps (prefetches and corrections)
+    block_bytes: int = 0  # bytes read back for multi-token forwards (full KV)
+    fetched_tokens: int = 0  # full-precision tokens attended from fetch buffers, summed over head-steps
+
+
+@dataclass
+class RetrievalState:
+    """One layer. Token ``i`` of the tier has position ``start_pos + i``; ``[n_sink, boundary)`` is summarized,
+    ``[boundary, length)`` is the recent window. ``sink_*`` ``[B, H, n_sink, D]``, ``recent_*``
+    ``[B, H, R, D]``, ``prev_q`` ``[B, H, G, D]`` (the last query, for the correction)."""
+
+    tier: Tier
+    layer: int
+    start_pos: int
+    length: int
+    n_sink: int
+    boundary: int
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    recent_k: torch.Tensor
+    recent_v: torch.Tensor
+    summary: Any
+    prefetcher: Prefetcher
+    prev_q: torch.Tensor | None = None
+    pending_units: torch.Tensor | None = None  # [B, H, k] units of the outstanding prefetch
+    step: int = 0
+    fetch_bytes: int = 0  # the fetch buffer now: the outstanding prefetch, else the last step's fetch
+    scratch: Any = None  # a method's per-step intermediate (SpeCache: the low-bit logits of this step's query)
+    stats: RetrievalStats = field(default_factory=RetrievalStats)
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        tensors = [self.sink_k, self.sink_v, self.recent_k, self.recent_v]
+        return tensors + ([self.prev_q] if self.prev_q is not None else [])
+
+
+@dataclass
+class Retrieval(Compressor):
+    """Base of offloading retrieval methods; a method sets ``chunk``/``unit`` and overrides the summary hooks.
+
+    budget_fraction: fast-tier bytes / full-KV bytes (None: use ``top_k``). top_k: units fetched per KV
+    head and step (overrides ``budget_fraction``). tier: "auto" (host memory on CUDA, disk otherwise),
+    "disk", "host" or "ram". offload_dir: where the disk tier writes (None: $KVCOMP_OFFLOAD_DIR or /tmp).
+    """
+
+    budget_fraction: float | None = 0.125
+    top_k: int | None = None
+    n_sink: int = 4
+    window: int = 32
+    tier: str = "auto"
+    speculative: bool = True
+    overlap: bool = True
+    tau: float = 0.8
+    offload_dir: str | None = None
+
+    capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, supports_batch=False)
+
+    def __post_init__(self) -> None:
+        if self.budget_fraction is None and self.top_k is None:
+            raise CompressorError("Set budget_fraction (fast-tier bytes / full KV bytes) or top_k (units per head).")
+        if self.budget_fraction is not None and not (
+            isinstance(self.budget_fraction, (int, float)) and self.budget_fraction > 0
+        ):
+            raise CompressorError(f"budget_fraction must be a positive fraction of the full KV, got {self.budget_fraction!r}.")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0):
+            raise CompressorError(f"top_k must be a non-negative number of units per KV head, got {self.top_k!r}.")
+        for name in ("n_sink", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CompressorError(f"{name} must be a non-negative number of tokens, got {value!r}.")
+        if self.tier not in ("auto", *TIER_KINDS):
+            raise CompressorError(f"tier must be 'auto' or one of {', '.join(TIER_KINDS)}; got {self.tier!r}.")
+        if not isinstance(self.tau, (int, float)) or not -1.0 <= self.tau <= 1.0:
+            raise CompressorError(f"tau must be a cosine similarity in [-1, 1], got {self.tau!r}.")
+
+    # -- what a method defines -----------------------------------------------------------------------------
+    chunk: ClassVar[int] = 32  # tokens summarized at a time (overridden by a property where it is a field)
+    unit: ClassVar[int] = 1  # tokens per selectable unit
+
+    def summarize(self, k: torch.Tensor, v: torch.Tensor, previous: Any) -> Any:
+        """Summary of ``previous`` extended by whole chunks ``k``, ``v`` ``[B, H, n * chunk, D]`` (``previous``
+        is None at prefill)."""
+        raise NotImplementedError
+
+    def summary_tensors(self, summary: Any) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def score(self, state: RetrievalState, qg: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``[B, H_kv, U]`` score of each unit of the summary for queries ``qg`` ``[B, H_kv, G, D]``."""
+        raise NotImplementedError
+
+    def attend_decode(self, state: RetrievalState, q: torch.Tensor, ctx: LayerContext, keys: torch.Tensor,
+                      values: torch.Tensor, positions: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` given the fetched tokens (``[B, H, k, D]``, positions ``[B, H, k]``, SENTINEL
+        where nothing was fetched) and the selected ``units`` ``[B, H, k_units]`` (-1: none)."""
+        keys = torch.cat([state.sink_k, keys, state.recent_k], dim=2)
+        values = torch.cat([state.sink_v, values, state.recent_v], dim=2)
+        positions = torch.cat([self._positions(state, 0, state.n_sink, q), positions,
+                               self._positions(state, state.boundary, state.length, q)], dim=2)
+        out, _ = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.scaling)
+        return out
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def prefill(self, layer, q, k, v, ctx):
+        b, h, n, _ = k.shape
+        positions = ctx.positions
+        start = int(positions[0, 0, 0])
+        if bool((positions >= SENTINEL).any()) or not torch.equal(
+            positions, start + torch.arange(n, device=positions.device).expand_as(positions)
+        ):
+            raise CompressorError(
+                f"{type(self).__name__} needs contiguous positions without padding (batch size 1, not after an "
+                "eviction stage in Compose)."
+            )
+        kind = self.tier if self.tier != "auto" else ("host" if k.device.type == "cuda" else "disk")
+        kwargs = {"directory": self.offload_dir} if kind == "disk" and self.offload_dir else {}
+        tier = make_tier(kind, device=k.device, **kwargs)
+        tier.write(layer, k, v)
+        sinks = min(self.n_sink, n)
+        state = RetrievalState(
+            tier, layer, start, n, sinks, sinks, k[:, :, :sinks].clone(), v[:, :, :sinks].clone(),
+            k[:, :, sinks:].clone(), v[:, :, sinks:].clone(), None,
+            Prefetcher(overlap=self.overlap, device=k.device),
+        )
+        self._advance(state)
+        if self.speculative:
+            self._prefetch_next(state, q, ctx.scaling)
+        return state
+
+    def append(self, layer, state: RetrievalState, k, v, ctx):
+        state.tier.append(layer, k, v)
+        state.recent_k = torch.cat([state.recent_k, k], dim=2)
+        state.recent_v = torch.cat([state.recent_v, v], dim=2)
+        state.length += k.shape[2]
+        return state
+
+    def attend(self, layer, state: RetrievalState, q, ctx):
+        state.step += 1
+        if q.shape[2] > 1:
+            return self._attend_block(state, q, ctx)
+        b, hq, _, d = q.shape
+        h = state.sink_k.shape[1]
+        qg = q.reshape(b, h, hq // h, d)
+        units = self._select(state, qg, ctx.scaling)  # what this step's own query selects
+        fresh = units
+        st = state.stats
+        st.decode_steps += 1
+        st.head_steps += b * h
+        result = state.prefetcher.wait(state.step) if self.speculative else None
+        if result is None:
+            result = state.prefetcher.fetch(state.step, self._request(state, units))
+        else:
+            spec = state.pending_units
+            cos = F.cosine_similarity(qg.float(), state.prev_q.float(), dim=-1).mean(-1)  # [B, H]
+            stale = cos < self.tau
+            st.speculated += b * h
+            st.corrected += int(stale.sum())
+            st.recall_sum += float(_recall(spec, units, self._n_units(state)).sum())
+            if bool(stale.any()):
+                fix = units.masked_fill(~stale.unsqueeze(-1), -1)
+                fixed = state.prefetcher.fetch(state.step, self._request(state, fix))
+                spec = _pad_units(spec, units.shape[-1])
+                units = torch.where(stale.unsqueeze(-1), _pad_units(units, spec.shape[-1]), spec)
+                result = _merge(result, fixed, stale, self.unit)
+            else:
+                units = spec
+        keys, values, index = result.keys, result.values, result.request.index
+        state.fetch_bytes = _buffer_bytes(keys, values)
+        st.fetched_tokens += int((index >= 0).sum())
+        positions = torch.where(index >= 0, state.start_pos + index, SENTINEL)
+        out = self.attend_decode(state, q, ctx, keys, values, positions, units)
+        st.decode_bytes += result.nbytes
+        advanced = self._advance(state)
+        if self.speculative:
+            # The selection this step's query made is the next step's speculation, unless the summary grew.
+            self._prefetch_next(state, q, ctx.scaling, None if advanced else fresh)
+        return out
+
+    def checkpoint(self, state: RetrievalState) -> RetrievalState:
+        # Nothing to save: every token is in the tier, so rollback rebuilds what it removes from there.
+        return state
+
+    def rollback(self, state: RetrievalState, n: int) -> RetrievalState:
+        """Undo the last ``n`` tokens: crop the tier (which invalidates an outstanding prefetch) and, when the
+        window would hold fewer than ``window`` tokens, drop summary chunks and read their tokens back from the
+        tier into the window — the state a history without those tokens would have built."""
+        if n <= 0:
+            return state
+        length = state.length - n
+        if length < state.n_sink:
+            raise CompressorError(f"rollback({n}) would remove prompt sink tokens ({state.length} stored).")
+        state.prefetcher.cancel()
+        state.pending_units = None
+        state.tier.crop(state.layer, length)
+        state.length = length
+        if length - self.window < state.boundary:  # the window would fall short: un-summarize whole chunks
+            chunks = max(0, length - state.n_sink - self.window) // self.chunk
+            state.boundary = state.n_sink + chunks * self.chunk
+            tensors = self.summary_tensors(state.summary)
+            state.summary = type(state.summary)(*(t[:, :, :chunks] for t in tensors)) if chunks else None
+            state.recent_k, state.recent_v = state.tier.read(state.layer, state.boundary, length)
+        else:
+            keep = length - state.boundary
+            state.recent_k = state.recent_k[:, :, :keep].clone()
+            state.recent_v = state.recent_v[:, :, :keep].clone()
+        return state
+
+    def materialize(self, state: RetrievalState):
+        keys, values = state.tier.read(state.layer)
+        return keys, values, self._positions(state, 0, state.length, keys)
+
+    def nbytes(self, state: RetrievalState) -> dict[str, int]:
+        resident = state.resident_tensors() + self.summary_tensors(state.summary)
+        device = sum(t.numel() * t.element_size() for t in resident) + state.fetch_bytes
+        slow = {"device": 0, "host": 0, "disk": 0}
+        slow[state.tier.kind] += state.tier.nbytes()
+        return {"device": device + slow["device"], "host": slow["host"], "disk": slow["disk"]}
+
+    def stored_tokens(self, state: RetrievalState) -> torch.Tensor:
+        b, h = state.sink_k.shape[:2]
+        return torch.full((b, h), state.length, dtype=torch.long, device=state.sink_k.device)
+
+    # -- machinery -----------------------------------------------------------------------------------------
+    def _n_units(self, state: RetrievalState) -> int:
+        return (state.boundary - state.n_sink) // self.unit
+
+    def budget_units(self, state: RetrievalState) -> int:
+        """Units fetched per KV head this step: ``top_k``, or what the fast-tier budget leaves."""
+        n_units = self._n_units(state)
+        if self.top_k is not None:
+            return min(self.top_k, n_units)
+        b, h, _, d = state.sink_k.shape
+        token_bytes = b * h * 2 * d * state.sink_k.element_size()  # one token's K and V over the heads
+        resident = state.resident_tensors() + self.summary_tensors(state.summary)
+        fixed = sum(t.numel() * t.element_size() for t in resident)
+        tokens = math.floor((self.budget_fraction * state.length * token_bytes - fixed) / token_bytes)
+        return max(0, min(n_units, tokens // self.unit))
+
+    def _select(self, state: RetrievalState, qg: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``[B, H, k]`` top units per KV head, ascending (so fetched tokens stay in position order)."""
+        k = self.budget_units(state)
+        b, h = qg.shape[:2]
+        if k == 0:
+            return torch.zeros(b, h, 0, dtype=torch.long, device=qg.device)
+        scores = self.score(state, qg, scaling)
+        return scores.topk(k, dim=-1).indices.sort(dim=-1).values
+
+    def _request(self, state: RetrievalState, units: torch.Tensor) -> FetchRequest:
+        """Token indices ``[B, H, k * unit]`` of ``units`` (-1 stays -1)."""
+        offsets = torch.arange(self.unit, device=units.device)
+        tokens = state.n_sink + units.unsqueeze(-1) * self.unit + offsets
+        tokens = tokens.masked_fill(units.unsqueeze(-1) < 0, -1).flatten(2)
+        return FetchRequest(state.tier, state.layer, tokens)
+
+    def _positions(self, state: RetrievalState, start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
+        b, h = state.sink_k.shape[:2]
+        pos = torch.arange(state.start_pos + start, state.start_pos + stop, device=like.device)
+        return pos.view(1, 1, -1).expand(b, h, -1)
+
+    def _advance(self, state: RetrievalState) -> bool:
+        """Move whole chunks from the recent window into the summary once ``window + chunk`` have gathered."""
+        recent = state.length - state.boundary
+        n = max(0, recent - self.window) // self.chunk * self.chunk
+        if n == 0:
+            return False
+        state.summary = self.summarize(state.recent_k[:, :, :n], state.recent_v[:, :, :n], state.summary)
+        state.recent_k = state.recent_k[:, :, n:].clone()
+        state.recent_v = state.recent_v[:, :, n:].clone()
+        state.boundary += n
+        return True
+
+    def _prefetch_next(self, state: RetrievalState, q: torch.Tensor, scaling: float,
+                       units: torch.Tensor | None = None) -> None:
+        b, hq, _, d = q.shape
+        h = state.sink_k.shape[1]
+        qg = q[:, :, -1].reshape(b, h, hq // h, d)
+        if units is None:
+            units = self._select(state, qg, scaling)
+        state.prev_q = qg.clone()
+        state.pending_units = units
+        state.scratch = None  # per-step intermediates do not outlive the step
+        request = self._request(state, units)
+        state.prefetcher.submit(state.step + 1, request)
+        # The step's own buffer is released after its attention; the prefetch buffer takes its place.
+        state.fetch_bytes = 2 * request.index.numel() * d * state.sink_k.element_size()
+
+    def _attend_block(self, state: RetrievalState, q: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        state.prefetcher.cancel()
+        keys, values = state.tier.read(state.layer)
+        state.stats.block_bytes += _buffer_bytes(keys, values)
+        positions = self._positions(state, 0, state.length, q)
+        out, _ = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.scaling)
+        self._advance(state)
+        if self.speculative:
+            self._prefetch_next(state, q, ctx.scaling)
+        return out
+
+
+def _buffer_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
+    return keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
+
+def _pad_units(units: torch.Tensor, width: int) -> torch.Tensor:
+    return F.pad(units, (0, max(0, width - units.shape[-1])), value=-1)
+
+
+def _merge(spec, fixed, stale: torch.Tensor, unit: int):
+    """The prefetched result with the heads in ``stale`` ``[B, H]`` replaced by the corrected fetch."""
+    width = max(spec.request.index.shape[-1], fixed.request.index.shape[-1])
+
+    def pad(t, value=0.0):
+        return F.pad(t, (0, 0, 0, width - t.shape[2]), value=value) if t.dim() == 4 else F.pad(
+            t, (0, width - t.shape[2]), value=value)
+
+    pick = stale.view(*stale.shape, 1, 1)
+    keys = torch.where(pick, pad(fixed.keys), pad(spec.keys))
+    values = torch.where(pick, pad(fixed.values), pad(spec.values))
+    index = torch.where(stale.unsqueeze(-1), pad(fixed.request.index, -1), pad(spec.request.index, -1))
+    return type(spec)(FetchRequest(spec.request.tier, spec.request.layer, index), keys, values,
+                      spec.nbytes + fixed.nbytes, spec.version)
+
+
+def _recall(spec: torch.Tensor, needed: torch.Tensor, n_units: int) -> torch.Tensor:
+    """``[B, H]`` fraction of the ``needed`` units (``[B, H, k]``) that the speculative ``spec`` holds."""
+    if needed.shape[-1] == 0 or n_units == 0:
+        return torch.ones(needed.shape[:2])
+    held = torch.zeros(*spec.shape[:2], n_units, dtype=torch.bool, device=spec.device)
+    held.scatter_(2, spec, True)
+    return held.gather(2, needed).float().mean(-1)
+
+
+def retrieval_stats(cache) -> dict[str, float]:
+    """Transfer statistics summed over the layers of a ``CompressedCache`` using a retrieval compressor.
+
+    bytes_per_token: bytes moved from the slow tier per decode step (all layers); hit_rate: fraction of
+    (step, layer, KV head) where the prefetched selection was used uncorrected; recall: fraction of the units
+    the step's own query selects that the prefetch held; wait_seconds: time the model thread waited on
+    fetches (prefetch completions and synchronous fetches)."""
+    states = [layer.state for layer in cache.layers if isinstance(getattr(layer, "state", None), RetrievalState)]
+    if not states:
+        return {}
+    s = RetrievalStats()
+    waited = 0.0
+    for state in states:
+        for name in vars(s):
+            setattr(s, name, getattr(s, name) + getattr(state.stats, name))
+        waited += state.prefetcher.stats.wait_seconds
+    steps = max(1, states[0].stats.decode_steps)
+    # With nothing fetched (the budget left no room for a unit) a hit or a recall means nothing.
+    speculated = max(1, s.speculated) if s.fetched_tokens else 0
+    return {
+        "decode_steps": states[0].stats.decode_steps,
+        "bytes_moved": s.decode_bytes,
+        "bytes_per_token": s.decode_bytes / steps,
+        "block_bytes": s.block_bytes,
+        "hit_rate": (s.speculated - s.corrected) / max(1, s.head_steps) if speculated else float("nan"),
+        "correction_rate": s.corrected / speculated if speculated else float("nan"),
+        "recall": s.recall_sum / speculated if speculated and s.speculated else float("nan"),
+        "fetched_tokens_per_head_step": s.fetched_tokens / max(1, s.head_steps),
+        "wait_seconds": waited,
+        "wait_seconds_per_token": waited / steps,
+    }
