@@ -1,0 +1,189 @@
+"""Transform coding of K/V (KVTC-style): RoPE undo/redo, DP bit allocation, coefficient quantization,
+entropy-coded blocks and blockwise attention with an online softmax.
+
+Used by :mod:`compressors.kvtc`; the calibration that produces the per-component statistics lives in
+:mod:`kvcomp.kvtc_calibration`.
+
+Quantizer. A principal-component coefficient ``y`` coded with ``b`` bits (``b`` in 2, 4, 8) is rounded to one
+of ``2 * m + 1`` symmetric levels ``k * step`` (``m = 2**(b-1) - 1``: 3, 15 or 255 levels, zero included),
+stored as the byte ``k + m``. The step of each component and bit width is calibrated once (the clipping range
+minimising the squared error on calibration data) and lives in the artifact, so a sequence stores no scales.
+``b = 0`` drops the component (reconstructed as the calibration mean).
+
+Coded block. ``block_size`` tokens of one row and KV head: a 2-byte little-endian token count, then one zstd
+frame (magicless, no checksum, no content size: the decoded size follows from the count and the bit
+allocation) holding the int32 positions (first absolute, then deltas), the key codes of the components that
+have bits (component-major, so each component's bytes are contiguous) and the value codes likewise.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+import zstandard
+
+BITS = (0, 2, 4, 8)
+ZSTD_LEVEL = 9
+_HEADER = struct.Struct("<H")
+_PARAMS = zstandard.ZstdCompressionParameters.from_level(
+    ZSTD_LEVEL, format=zstandard.FORMAT_ZSTD1_MAGICLESS, write_content_size=0, write_checksum=0, write_dict_id=0
+)
+_COMPRESSOR = zstandard.ZstdCompressor(compression_params=_PARAMS)
+_DECOMPRESSOR = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+
+
+# -- RoPE ----------------------------------------------------------------------------------------------------
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float):
+    # positions [...]; returns cos, sin [..., 2 * len(inv_freq)]. The angles are float32 products as in
+    # transformers' rotary embedding (so they match the cached keys); the rotation itself runs in float64.
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(device=positions.device, dtype=torch.float32)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).double(), (emb.sin() * scaling).double()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0):
+    """Rotate ``x`` ``[..., D]`` by its ``positions`` ``[...]`` as transformers' Llama-family
+    ``apply_rotary_pos_emb`` does (``x * cos + rotate_half(x) * sin``, both scaled by ``scaling``); a partial
+    rotary embedding rotates the first ``2 * len(inv_freq)`` channels. Returns ``x``'s dtype."""
+    rot = 2 * inv_freq.shape[-1]
+    cos, sin = _cos_sin(positions, inv_freq, scaling)
+    xr = x[..., :rot].to(torch.float64)
+    out = xr * cos + _rotate_half(xr) * sin
+    return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
+
+
+def undo_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0):
+    """Inverse of :func:`apply_rope`: rotate back by ``-theta`` and divide by ``scaling**2``."""
+    rot = 2 * inv_freq.shape[-1]
+    cos, sin = _cos_sin(positions, inv_freq, scaling)
+    xr = x[..., :rot].to(torch.float64)
+    out = (xr * cos - _rotate_half(xr) * sin) / (scaling * scaling)
+    return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
+
+
+# -- quantization --------------------------------------------------------------------------------------------
+def max_level(bits: torch.Tensor | int):
+    """``m = 2**(bits-1) - 1`` (0 for 0 bits): codes lie in ``[0, 2m]``."""
+    if isinstance(bits, int):
+        return (1 << (bits - 1)) - 1 if bits else 0
+    return torch.where(bits > 0, (2 ** (bits.clamp(min=1) - 1)) - 1, 0)
+
+
+def quantize(y: torch.Tensor, step: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
+    """Coefficients ``y`` ``[..., C]`` -> uint8 codes ``round(y / step)`` clamped to ``[-m, m]``, plus ``m``.
+    ``step``, ``level`` (``m``) broadcast against ``y``; components with ``m = 0`` get code 0."""
+    safe = torch.where(step > 0, step, 1.0)
+    k = torch.round(y / safe)
+    k = torch.minimum(torch.maximum(k, -level), level)
+    return (k + level).to(torch.uint8)
+
+
+def dequantize(codes: torch.Tensor, step: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize` (float32): ``(code - m) * step``, 0 where ``step`` is 0."""
+    return (codes.to(torch.float32) - level) * step
+
+
+# -- bit allocation ------------------------------------------------------------------------------------------
+def allocate_bits(err: np.ndarray, rate: np.ndarray, budget: float, group_size: int, resolution: int = 8):
+    """Dynamic programming over groups of ``group_size`` consecutive components (variance order).
+
+    err, rate: ``[len(BITS), C]`` squared error and coded bits per token of each component at each bit width
+    (calibration statistics; ``rate`` of 0 bits is 0). Chooses one width per group minimising the summed error
+    with the summed rate at most ``budget`` bits per token (rates rounded up to ``1/resolution`` bit).
+    Returns ``[C]`` int bits per component.
+    """
+    n_bits, c = err.shape
+    n_groups = -(-c // group_size)
+    cap = max(0, int(np.floor(budget * resolution)))
+    g_err = np.stack([err[:, g * group_size:(g + 1) * group_size].sum(1) for g in range(n_groups)], 1)
+    g_rate = np.stack([rate[:, g * group_size:(g + 1) * group_size].sum(1) for g in range(n_groups)], 1)
+    g_cost = np.ceil(g_rate * resolution - 1e-9).astype(np.int64)  # [n_bits, n_groups]
+    cap = min(cap, int(g_cost.max(0).sum()))
+    best = np.zeros(cap + 1)  # best[r]: least error of the groups so far with rate <= r
+    choice = np.zeros((n_groups, cap + 1), dtype=np.int64)
+    for g in range(n_groups):
+        options = np.full((n_bits, cap + 1), np.inf)
+        for j in range(n_bits):
+            cost = g_cost[j, g]
+            if cost <= cap:
+                options[j, cost:] = best[: cap + 1 - cost] + g_err[j, g]
+        choice[g] = options.argmin(0)
+        best = options.min(0)
+    bits = np.zeros(c, dtype=np.int64)
+    r = cap
+    for g in reversed(range(n_groups)):
+        j = choice[g, r]
+        bits[g * group_size:(g + 1) * group_size] = BITS[j]
+        r -= g_cost[j, g]
+    return bits
+
+
+# -- coded blocks --------------------------------------------------------------------------------------------
+def encode_block(positions: np.ndarray, key_codes: np.ndarray, value_codes: np.ndarray) -> bytes:
+    """One coded block: positions ``[n]`` int, key/value codes ``[n, C_active]`` uint8 -> bytes."""
+    pos = positions.astype(np.int64)
+    deltas = np.diff(pos, prepend=0).astype("<i4")
+    payload = b"".join(
+        (deltas.tobytes(), np.ascontiguousarray(key_codes.T).tobytes(), np.ascontiguousarray(value_codes.T).tobytes())
+    )
+    return _HEADER.pack(len(pos)) + _COMPRESSOR.compress(payload)
+
+
+def decode_block(frame: bytes, n_key: int, n_value: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of :func:`encode_block`: positions ``[n]`` int64, key codes ``[n, n_key]``, value codes."""
+    (n,) = _HEADER.unpack_from(frame)
+    size = n * (4 + n_key + n_value)
+    raw = _DECOMPRESSOR.decompress(frame[_HEADER.size:], max_output_size=size)
+    buf = np.frombuffer(raw, dtype=np.uint8)
+    positions = np.cumsum(buf[: 4 * n].view("<i4").astype(np.int64))
+    keys = buf[4 * n: 4 * n + n * n_key].reshape(n_key, n).T
+    values = buf[4 * n + n * n_key:].reshape(n_value, n).T
+    return positions, keys, values
+
+
+# -- attention -----------------------------------------------------------------------------------------------
+class OnlineSoftmax:
+    """Attention of ``q`` ``[B, H_q, n, D]`` (positions ``q_pos`` ``[B, n]``) accumulated over blocks of K/V
+    (``[B, H_kv, L, D]``, positions ``[B, H_kv, L]``; a key is visible when ``key_pos <= query_pos``), as
+    flash attention does: only one block's logits exist at a time. A query that sees no key at all (a padding
+    query) returns zeros."""
+
+    def __init__(self, q: torch.Tensor, q_pos: torch.Tensor, n_kv_heads: int, scaling: float):
+        b, hq, n, d = q.shape
+        self.shape, self.h, self.g = (b, hq, n, d), n_kv_heads, hq // n_kv_heads
+        self.cdt = torch.promote_types(q.dtype, torch.float32)
+        self.dtype = q.dtype
+        self.q = q.reshape(b, n_kv_heads, self.g * n, d).to(self.cdt)
+        self.q_pos = q_pos.long()
+        self.scaling = scaling
+        self.m = torch.full((b, n_kv_heads, self.g * n, 1), float("-inf"), dtype=self.cdt, device=q.device)
+        self.denom = torch.zeros_like(self.m)
+        self.acc = torch.zeros(b, n_kv_heads, self.g * n, d, dtype=self.cdt, device=q.device)
+
+    def step(self, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor) -> None:
+        b, _, n, _ = self.shape
+        length = k.shape[2]
+        if length == 0:
+            return
+        logits = torch.matmul(self.q, k.to(self.cdt).transpose(-1, -2)) * self.scaling
+        allowed = k_pos.long()[:, :, None, None, :] <= self.q_pos[:, None, None, :, None]
+        allowed = allowed.expand(b, self.h, self.g, n, length).reshape(b, self.h, self.g * n, length)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        m_new = torch.maximum(self.m, logits.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+        p = torch.exp(logits - m_safe)
+        correction = torch.exp(self.m - m_safe)
+        self.denom = self.denom * correction + p.sum(-1, keepdim=True)
+        self.acc = self.acc * correction + torch.matmul(p, v.to(self.cdt))
+        self.m = m_new
+
+    def result(self) -> torch.Tensor:
+        out = torch.where(self.denom > 0, self.acc / self.denom.clamp_min(1e-30), 0.0)
+        return out.reshape(self.shape).to(self.dtype)
