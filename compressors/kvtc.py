@@ -78,8 +78,8 @@ class KVTC(Compressor):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise CompressorError(f"{name} must be an integer >= {low}, got {value!r}.")
-        if self.block_size > 65535:
-            raise CompressorError("block_size must be at most 65535 tokens (2-byte block header).")
+        if self.block_size > 512:
+            raise CompressorError(f"block_size must be at most 512 tokens (2-byte segment lengths), got {self.block_size}.")
         self._calibration: calibration.Calibration | None = None
         self._codecs: dict = {}
         if self.artifact is not None:
@@ -153,10 +153,11 @@ class KVTC(Compressor):
                                    window.positions[:, :, :take])
         bits = codec["bits"].numpy()
         for b, h in zip(*np.nonzero(n_blocks.cpu().numpy())):
-            kk, vk = bits[h, 0] > 0, bits[h, 1] > 0
+            widths = [(codes, tc.segment_widths(bits[h, kind])) for kind, codes in enumerate((ck, cv))]
             for j in range(int(n_blocks[b, h])):
                 sl = slice(j * self.block_size, (j + 1) * self.block_size)
-                state.blocks[b][h].append(tc.encode_block(pos[b, h, sl], ck[b, h, sl][:, kk], cv[b, h, sl][:, vk]))
+                segments = [(w, codes[b, h, sl][:, cols]) for codes, ws in widths for w, cols in ws]
+                state.blocks[b][h].append(tc.encode_block(pos[b, h, sl], segments))
         state.coded_tokens = state.coded_tokens + n_blocks * self.block_size
         # Drop the coded slots from the window: shift each row and head left by its own coded count.
         length = window.positions.shape[-1]
@@ -182,6 +183,7 @@ class KVTC(Compressor):
         cal = self.calibration
         b, h, d = len(state.blocks), len(state.blocks[0]), codec["basis"].shape[-1]
         bits = codec["bits"].numpy()
+        widths = [[tc.segment_widths(bits[j, kind]) for kind in range(2)] for j in range(h)]
         n_max = max(len(blocks) for row in state.blocks for blocks in row)
         for start in range(0, n_max, per_chunk):
             t = min(per_chunk, n_max - start) * self.block_size
@@ -189,11 +191,14 @@ class KVTC(Compressor):
             pos = np.full((b, h, t), SENTINEL, dtype=np.int64)
             for i in range(b):
                 for j in range(h):
-                    kk, vk = bits[j, 0] > 0, bits[j, 1] > 0
+                    spec = [(w, int(cols.sum())) for ws in widths[j] for w, cols in ws]
+                    targets = [(kind, cols) for kind in range(2) for _, cols in widths[j][kind]]
                     for n, frame in enumerate(state.blocks[i][j][start:start + per_chunk]):
-                        p, ck, cv = tc.decode_block(frame, int(kk.sum()), int(vk.sum()))
+                        p, segments = tc.decode_block(frame, spec)
                         sl = slice(n * self.block_size, n * self.block_size + len(p))
-                        pos[i, j, sl], codes[0, i, j, sl][:, kk], codes[1, i, j, sl][:, vk] = p, ck, cv
+                        pos[i, j, sl] = p
+                        for (kind, cols), seg in zip(targets, segments):
+                            codes[kind, i, j, sl][:, cols] = seg
             codes_t, pos_t = torch.from_numpy(codes), torch.from_numpy(pos)
             out = []
             for kind in range(2):

@@ -15,7 +15,8 @@ SmolLM2-135M).
 
 For each component and bit width (2, 4, 8) the artifact stores the quantizer step (the clipping range on a
 grid of multiples of the component's standard deviation that minimises the squared error on the calibration
-coefficients), that squared error, and the empirical entropy of the codes (bits per token: the rate an
+coefficients; at 8 bits at least 1.5 times the largest calibration coefficient, so that text unlike the
+calibration text is not clipped where the budget asks for near-lossless coding), that squared error, and the empirical entropy of the codes (bits per token: the rate an
 entropy coder can reach). The bit allocation for a target compression factor is computed from these tables
 when KVTC loads the artifact (:func:`kvcomp.transform_coding.allocate_bits`), so one artifact serves every
 factor and dtype.
@@ -48,6 +49,7 @@ _CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_la
                 "partial_rotary_factor", "max_position_embeddings")
 _STEP_GRID = torch.logspace(-2, 4, 31, base=2.0)  # clipping range / sigma, 0.25 .. 16
 _SEARCH_TOKENS = 4096
+_MARGIN = 1.5  # 8-bit clipping range over the largest calibration coefficient (text unlike the calibration's)
 CALIBRATE_COMMAND = "kvcomp calibrate kvtc --model <name or path> --out <artifact.safetensors>"
 
 
@@ -157,6 +159,8 @@ def _quantizer_tables(y: torch.Tensor, sigma: torch.Tensor):
         recon = dequantize(quantize(sample[None], grid[:, None], level), grid[:, None], level)
         best = ((recon - sample[None]) ** 2).mean(1).argmin(0)  # [D]
         step = grid.gather(0, best.view(1, -1))[0]
+        if bits == BITS[-1]:  # the near-lossless width never clips what calibration saw, with a margin
+            step = torch.maximum(step, _MARGIN * y.abs().amax(0) / m)
         codes = quantize(y, step, torch.tensor(float(m)))
         errs.append(((dequantize(codes, step, torch.tensor(float(m))) - y) ** 2).mean(0))
         counts = torch.zeros(y.shape[1], 2 * m + 1).scatter_add_(1, codes.T.long(), torch.ones(codes.T.shape))

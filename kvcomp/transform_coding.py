@@ -10,10 +10,10 @@ stored as the byte ``k + m``. The step of each component and bit width is calibr
 minimising the squared error on calibration data) and lives in the artifact, so a sequence stores no scales.
 ``b = 0`` drops the component (reconstructed as the calibration mean).
 
-Coded block. ``block_size`` tokens of one row and KV head: a 2-byte little-endian token count, then one zstd
-frame (magicless, no checksum, no content size: the decoded size follows from the count and the bit
-allocation) holding the int32 positions (first absolute, then deltas), the key codes of the components that
-have bits (component-major, so each component's bytes are contiguous) and the value codes likewise.
+Coded block. ``block_size`` tokens of one row and KV head (layout in :func:`encode_block`): a small header,
+the positions (the first one alone when they are contiguous), then for keys and for values one zstd frame
+per bit width in use (magicless, no checksum, no content size: the decoded size follows from the count and
+the bit allocation) holding that width's codes, component-major and packed several to a byte.
 """
 
 from __future__ import annotations
@@ -126,26 +126,82 @@ def allocate_bits(err: np.ndarray, rate: np.ndarray, budget: float, group_size: 
 
 
 # -- coded blocks --------------------------------------------------------------------------------------------
-def encode_block(positions: np.ndarray, key_codes: np.ndarray, value_codes: np.ndarray) -> bytes:
-    """One coded block: positions ``[n]`` int, key/value codes ``[n, C_active]`` uint8 -> bytes."""
+_PER_BYTE = {2: 5, 4: 2, 8: 1}  # codes packed into one byte before entropy coding: 3**5, 15**2, 255 < 256
+
+
+def _pack(codes: np.ndarray, bits: int) -> bytes:
+    """Component-major codes ``[n, c]`` of one bit width -> bytes, ``_PER_BYTE[bits]`` codes a byte in base
+    ``2m + 1`` (zstd's Huffman stage spends at least one bit a byte, so a 1.3-bit ternary code alone would
+    cost a whole bit)."""
+    flat = np.ascontiguousarray(codes.T).reshape(-1)
+    k, base = _PER_BYTE[bits], 2 * max_level(bits) + 1
+    if k == 1:
+        return flat.tobytes()
+    pad = (-flat.size) % k
+    flat = np.concatenate([flat, np.full(pad, max_level(bits), dtype=np.uint8)]).reshape(-1, k).astype(np.int32)
+    return (flat * base ** np.arange(k, dtype=np.int32)).sum(1).astype(np.uint8).tobytes()
+
+
+def _unpack(raw: bytes, bits: int, n: int, c: int) -> np.ndarray:
+    k, base = _PER_BYTE[bits], 2 * max_level(bits) + 1
+    x = np.frombuffer(raw, dtype=np.uint8)
+    if k > 1:
+        x = x.astype(np.int32)
+        digits = np.empty((x.size, k), dtype=np.uint8)
+        for i in range(k):
+            digits[:, i] = x % base
+            x = x // base
+        x = digits.reshape(-1)[: n * c]
+    return x.reshape(c, n).T
+
+
+def segment_widths(bits: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``(width, column mask)`` of each non-empty bit width of a ``[C]`` allocation, in coding order."""
+    return [(b, bits == b) for b in BITS[1:] if (bits == b).any()]
+
+
+def encode_block(positions: np.ndarray, segments: list[tuple[int, np.ndarray]]) -> bytes:
+    """One coded block of ``n`` tokens: positions ``[n]`` and ``(bits, codes [n, c])`` segments -> bytes.
+
+    Layout: uint16 ``n``, uint8 flag; contiguous positions (flag 1) store the first as int32, others a
+    uint16 length and a zstd frame of int32 deltas; then per segment a uint16 length and a zstd frame of the
+    packed codes (one frame per bit width, so each gets its own Huffman table)."""
     pos = positions.astype(np.int64)
-    deltas = np.diff(pos, prepend=0).astype("<i4")
-    payload = b"".join(
-        (deltas.tobytes(), np.ascontiguousarray(key_codes.T).tobytes(), np.ascontiguousarray(value_codes.T).tobytes())
-    )
-    return _HEADER.pack(len(pos)) + _COMPRESSOR.compress(payload)
+    parts = []
+    if pos.size and bool((np.diff(pos) == 1).all()):
+        parts.append(_HEADER.pack(len(pos)) + b"\x01" + struct.pack("<i", int(pos[0])))
+    else:
+        frame = _COMPRESSOR.compress(np.diff(pos, prepend=0).astype("<i4").tobytes())
+        parts.append(_HEADER.pack(len(pos)) + b"\x00" + _HEADER.pack(len(frame)) + frame)
+    for bits, codes in segments:
+        frame = _COMPRESSOR.compress(_pack(codes, bits))
+        if len(frame) > 0xFFFF:
+            raise ValueError("a coded segment exceeds 65535 bytes; use a smaller block_size")
+        parts.append(_HEADER.pack(len(frame)) + frame)
+    return b"".join(parts)
 
 
-def decode_block(frame: bytes, n_key: int, n_value: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Inverse of :func:`encode_block`: positions ``[n]`` int64, key codes ``[n, n_key]``, value codes."""
+def decode_block(frame: bytes, widths: list[tuple[int, int]]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Inverse of :func:`encode_block` given ``(bits, columns)`` of each segment: positions ``[n]`` int64 and
+    the segments' codes ``[n, columns]`` uint8."""
     (n,) = _HEADER.unpack_from(frame)
-    size = n * (4 + n_key + n_value)
-    raw = _DECOMPRESSOR.decompress(frame[_HEADER.size:], max_output_size=size)
-    buf = np.frombuffer(raw, dtype=np.uint8)
-    positions = np.cumsum(buf[: 4 * n].view("<i4").astype(np.int64))
-    keys = buf[4 * n: 4 * n + n * n_key].reshape(n_key, n).T
-    values = buf[4 * n + n * n_key:].reshape(n_value, n).T
-    return positions, keys, values
+    at = _HEADER.size + 1
+    if frame[_HEADER.size] == 1:
+        (first,) = struct.unpack_from("<i", frame, at)
+        positions, at = np.arange(first, first + n, dtype=np.int64), at + 4
+    else:
+        (size,) = _HEADER.unpack_from(frame, at)
+        at += _HEADER.size
+        raw = _DECOMPRESSOR.decompress(frame[at:at + size], max_output_size=4 * n)
+        positions, at = np.cumsum(np.frombuffer(raw, dtype="<i4").astype(np.int64)), at + size
+    out = []
+    for bits, c in widths:
+        (size,) = _HEADER.unpack_from(frame, at)
+        at += _HEADER.size
+        raw = _DECOMPRESSOR.decompress(frame[at:at + size], max_output_size=-(-n * c // _PER_BYTE[bits]))
+        out.append(_unpack(raw, bits, n, c))
+        at += size
+    return positions, out
 
 
 # -- attention -----------------------------------------------------------------------------------------------
