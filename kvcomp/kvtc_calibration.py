@@ -47,8 +47,8 @@ VERSION = 1
 _CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rope_parameters", "rope_scaling",
                 "partial_rotary_factor", "max_position_embeddings")
-_STEP_GRID = torch.logspace(-2, 4, 31, base=2.0)  # clipping range / sigma, 0.25 .. 16
-_SEARCH_TOKENS = 4096
+_STEP_GRID = torch.logspace(-2, 4, 19, base=2.0)  # clipping range / sigma, 0.25 .. 16
+_SEARCH_TOKENS = 1024
 _MARGIN = 1.5  # 8-bit clipping range over the largest calibration coefficient (text unlike the calibration's)
 CALIBRATE_COMMAND = "kvcomp calibrate kvtc --model <name or path> --out <artifact.safetensors>"
 

@@ -1,6 +1,8 @@
 """KVTC (transform coding): RoPE undo/redo, calibration artifacts, rate/distortion, coded bytes, decoding,
 composition, errors and the calibrate command. Fast tier on the tiny random Llama (calibrated once here)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -318,3 +320,23 @@ def test_calibrate_cli_on_the_tiny_model(tmp_path, capsys):
     assert main(["calibrate", "kvtc", "--model", "tiny", "--data", str(data), "--out", str(out), "--tokens", "400",
                  "--seq-len", "200"]) == 0
     assert calibration.load_artifact(out).meta["data"] == str(data)
+
+
+def test_hydra_config_builds_kvtc(monkeypatch, artifact):
+    import yaml
+
+    from experiments import schema
+    from experiments.run import build_compressor
+    from kvcomp import registry
+    from tests.test_experiments import CONF, TINY_TASK, compose
+
+    # The entry point only exists once the package is reinstalled; register the class for this test.
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    registry.register("kvtc", KVTC)
+    schema.register_configs()
+    raw = yaml.safe_load((CONF / "compressor" / "kvtc.yaml").read_text())
+    assert set(raw) - {"defaults"} == {f.name for f in dataclasses.fields(KVTC)} | {"_target_"}
+    assert build_compressor(compose([*TINY_TASK, "compressor=kvtc"])) == KVTC()
+    built = build_compressor(compose([*TINY_TASK, "compressor=kvtc", "compressor.compression_factor=16",
+                                      f"compressor.artifact={artifact}"]))
+    assert built.compression_factor == 16 and built.calibration.path == artifact
