@@ -109,10 +109,10 @@ class KVTC(Compressor):
         """One-off bytes of the shared calibration (bases, means, quantizer tables), not per sequence."""
         return self.calibration.nbytes()
 
-    def codec(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def codec(self, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Per-layer tensors for coding: basis ``[H, 2, D, D]``, mean, step and level ``[H, 2, D]`` (step 0
-        for dropped components), bits ``[H, 2, D]``."""
-        key = (layer, torch.finfo(dtype).bits)
+        for dropped components) on ``device``, and bits ``[H, 2, D]`` (CPU)."""
+        key = (layer, torch.finfo(dtype).bits, str(device))
         if key not in self._codecs:
             cal = self.calibration
             if layer >= cal.basis.shape[0]:
@@ -123,8 +123,9 @@ class KVTC(Compressor):
             step = torch.zeros(bits.shape)
             for b, i in index.items():
                 step = torch.where(bits == b, steps[:, :, i], step)
-            self._codecs[key] = dict(basis=cal.basis[layer], mean=cal.mean[layer], step=step,
-                                     level=tc.max_level(bits).float(), bits=bits)
+            self._codecs[key] = dict(basis=cal.basis[layer].to(device), mean=cal.mean[layer].to(device),
+                                     step=step.to(device), level=tc.max_level(bits).float().to(device), bits=bits,
+                                     inv_freq=cal.inv_freq.to(device))
         return self._codecs[key]
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ class KVTC(Compressor):
         if take == 0:
             state.window = window
             return state
-        codec = self.codec(layer, window.keys.dtype)
+        codec = self.codec(layer, window.keys.dtype, window.keys.device)
         ck, cv, pos = self._encode(codec, window.keys[:, :, :take], window.values[:, :, :take],
                                    window.positions[:, :, :take])
         bits = codec["bits"].numpy()
@@ -169,7 +170,7 @@ class KVTC(Compressor):
         """``[B, H, T, D]`` K/V (post-RoPE keys) -> key codes, value codes ``[B, H, T, D]`` uint8 (numpy)
         and positions ``[B, H, T]``."""
         cal = self.calibration
-        pre = tc.undo_rope(keys.float(), positions.clamp(max=SENTINEL - 1), cal.inv_freq, cal.attention_scaling)
+        pre = tc.undo_rope(keys.float(), positions.clamp(max=SENTINEL - 1), codec["inv_freq"], cal.attention_scaling)
         codes = []
         for kind, x in enumerate((pre, values.float())):
             y = torch.einsum("bhtd,hcd->bhtc", x - codec["mean"][:, kind, None], codec["basis"][:, kind])
@@ -179,7 +180,8 @@ class KVTC(Compressor):
     def _decoded_chunks(self, layer: int, state: KVTCState, dtype: torch.dtype, per_chunk: int):
         """Yield reconstructed ``(keys, values, positions)`` of ``per_chunk`` blocks at a time, ``[B, H, T, D]``
         float32 (RoPE re-applied) and ``[B, H, T]`` (SENTINEL where a row or head has fewer blocks)."""
-        codec = self.codec(layer, dtype)
+        device = state.window.keys.device
+        codec = self.codec(layer, dtype, device)
         cal = self.calibration
         b, h, d = len(state.blocks), len(state.blocks[0]), codec["basis"].shape[-1]
         bits = codec["bits"].numpy()
@@ -199,12 +201,12 @@ class KVTC(Compressor):
                         pos[i, j, sl] = p
                         for (kind, cols), seg in zip(targets, segments):
                             codes[kind, i, j, sl][:, cols] = seg
-            codes_t, pos_t = torch.from_numpy(codes), torch.from_numpy(pos)
+            codes_t, pos_t = torch.from_numpy(codes).to(device), torch.from_numpy(pos).to(device)
             out = []
             for kind in range(2):
                 y = tc.dequantize(codes_t[kind], codec["step"][:, kind, None], codec["level"][:, kind, None])
                 out.append(torch.einsum("bhtc,hcd->bhtd", y, codec["basis"][:, kind]) + codec["mean"][:, kind, None])
-            keys = tc.apply_rope(out[0], pos_t.clamp(max=SENTINEL - 1), cal.inv_freq, cal.attention_scaling)
+            keys = tc.apply_rope(out[0], pos_t.clamp(max=SENTINEL - 1), codec["inv_freq"], cal.attention_scaling)
             yield keys, out[1], pos_t
 
     def materialize(self, state: KVTCState):

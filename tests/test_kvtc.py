@@ -340,3 +340,27 @@ def test_hydra_config_builds_kvtc(monkeypatch, artifact):
     built = build_compressor(compose([*TINY_TASK, "compressor=kvtc", "compressor.compression_factor=16",
                                       f"compressor.artifact={artifact}"]))
     assert built.compression_factor == 16 and built.calibration.path == artifact
+
+
+@pytest.mark.real
+def test_real_kv_codes_below_raw_size_and_near_the_target(embedded, tmp_path):
+    """A few hundred tokens of the embedded model's K/V, calibrated on 2K tokens of stdlib prose."""
+    from eval.ruler.haystack import essay_words
+
+    model, tokenizer = embedded
+    path = calibration.calibrate(model, tokenizer, tmp_path / "smollm2.safetensors", tokens=2048)
+    ids = tokenizer(" ".join(essay_words(600)), return_tensors="pt")["input_ids"][:, :512]
+    reference, _ = full_kv(model, ids)
+    errors = []
+    for factor in (16, 8):
+        compressor = KVTC(compression_factor=factor, artifact=str(path), window=0, n_sink=0, block_size=64)
+        cache, _ = prefill(model, ids, compressor)
+        coded = raw = 0
+        for i, layer in enumerate(cache.layers):
+            bits = compressor.codec(i, torch.float32)["bits"]  # [H, 2, D]
+            coded += layer.state.coded_bytes()
+            raw += 512 * (int(bits.sum()) // 8 + 4 * bits.shape[0])  # packed codes + int32 positions
+        assert coded < 0.9 * raw
+        assert 0.7 * factor < cache.memory_factor() < 1.3 * factor  # entropy-coded rate near the DP's target
+        errors.append(relative_error(compressor, cache.layers[15].state, reference, 15))
+    assert errors[1][0] < errors[0][0] and errors[1][1] < errors[0][1]
