@@ -68,7 +68,8 @@ def rate_distortion(model, tokenizer, *, tasks=TASKS, length: int = 4096, sample
     for task in tasks:
         bench = load_samples(f"ruler/{task}", tokenizer, length=length, num_samples=samples, seed=0)
         for method, setting, compressor in configs(artifact, quant_bits, kvtc_factors):
-            path = out_dir / task / f"{method}-{setting.replace('=', '')}-{mode}.jsonl"
+            label = method if compressor is None else f"{method}-{setting.replace('=', '')}"
+            path = out_dir / task / f"{label}-{mode}.jsonl"
             t0 = time.perf_counter()
             list(run(model, tokenizer, bench, compressor, query_aware=query_aware, out_path=path,
                      reference=out_dir / task / "reference.jsonl", progress=progress))

@@ -364,3 +364,21 @@ def test_real_kv_codes_below_raw_size_and_near_the_target(embedded, tmp_path):
         assert 0.7 * factor < cache.memory_factor() < 1.3 * factor  # entropy-coded rate near the DP's target
         errors.append(relative_error(compressor, cache.layers[15].state, reference, 15))
     assert errors[1][0] < errors[0][0] and errors[1][1] < errors[0][1]
+
+
+def test_rate_distortion_benchmark_writes_its_table(tiny, artifact, tmp_path):
+    import csv
+
+    from experiments.rate_distortion import COLUMNS, rate_distortion
+
+    model, tokenizer = tiny
+    rows = rate_distortion(model, tokenizer, tasks=["niah_single_1"], length=384, samples=1, out_dir=tmp_path,
+                           artifact=artifact, quant_bits=[4], kvtc_factors=[8], progress=False)
+    with open(tmp_path / "L384" / "rate_distortion-L384-agnostic.csv") as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == COLUMNS
+    assert [(r["task"], r["method"], r["setting"]) for r in table] == [
+        ("niah_single_1", "none", "-"), ("niah_single_1", "quant", "bits=4"), ("niah_single_1", "kvtc", "factor=8"),
+        ("all", "none", "-"), ("all", "quant", "bits=4"), ("all", "kvtc", "factor=8")]
+    assert float(table[0]["memory_factor"]) == 1.0 and float(table[2]["memory_factor"]) > 1.5
+    assert rows[2]["agreement"] is not None and rows[2]["n"] == 1
