@@ -195,12 +195,10 @@ class KVTC(Compressor):
                 for j in range(h):
                     spec = [(w, int(cols.sum())) for ws in widths[j] for w, cols in ws]
                     targets = [(kind, cols) for kind in range(2) for _, cols in widths[j][kind]]
-                    for n, frame in enumerate(state.blocks[i][j][start:start + per_chunk]):
-                        p, segments = tc.decode_block(frame, spec)
-                        sl = slice(n * self.block_size, n * self.block_size + len(p))
-                        pos[i, j, sl] = p
-                        for (kind, cols), seg in zip(targets, segments):
-                            codes[kind, i, j, sl][:, cols] = seg
+                    p, segments = tc.decode_blocks(state.blocks[i][j][start:start + per_chunk], spec)
+                    pos[i, j, : len(p)] = p
+                    for (kind, cols), seg in zip(targets, segments):
+                        codes[kind, i, j, : len(p)][:, cols] = seg
             codes_t, pos_t = torch.from_numpy(codes).to(device), torch.from_numpy(pos).to(device)
             out = []
             for kind in range(2):

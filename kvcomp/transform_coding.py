@@ -35,12 +35,12 @@ _DECOMPRESSOR = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLE
 
 
 # -- RoPE ----------------------------------------------------------------------------------------------------
-def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float):
-    # positions [...]; returns cos, sin [..., 2 * len(inv_freq)]. The angles are float32 products as in
-    # transformers' rotary embedding (so they match the cached keys); the rotation itself runs in float64.
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    # positions [...]; returns cos, sin [..., 2 * len(inv_freq)] in dtype. The angles are float32 products as
+    # in transformers' rotary embedding (so they match the cached keys).
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(device=positions.device, dtype=torch.float32)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return (emb.cos() * scaling).double(), (emb.sin() * scaling).double()
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -51,10 +51,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0):
     """Rotate ``x`` ``[..., D]`` by its ``positions`` ``[...]`` as transformers' Llama-family
     ``apply_rotary_pos_emb`` does (``x * cos + rotate_half(x) * sin``, both scaled by ``scaling``); a partial
-    rotary embedding rotates the first ``2 * len(inv_freq)`` channels. Returns ``x``'s dtype."""
+    rotary embedding rotates the first ``2 * len(inv_freq)`` channels. Computed in float32 at least; returns
+    ``x``'s dtype."""
     rot = 2 * inv_freq.shape[-1]
-    cos, sin = _cos_sin(positions, inv_freq, scaling)
-    xr = x[..., :rot].to(torch.float64)
+    xr = x[..., :rot].to(torch.promote_types(x.dtype, torch.float32))
+    cos, sin = _cos_sin(positions, inv_freq, scaling, xr.dtype)
     out = xr * cos + _rotate_half(xr) * sin
     return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
 
@@ -62,8 +63,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 def undo_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0):
     """Inverse of :func:`apply_rope`: rotate back by ``-theta`` and divide by ``scaling**2``."""
     rot = 2 * inv_freq.shape[-1]
-    cos, sin = _cos_sin(positions, inv_freq, scaling)
-    xr = x[..., :rot].to(torch.float64)
+    xr = x[..., :rot].to(torch.promote_types(x.dtype, torch.float32))
+    cos, sin = _cos_sin(positions, inv_freq, scaling, xr.dtype)
     out = (xr * cos - _rotate_half(xr) * sin) / (scaling * scaling)
     return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
 
@@ -142,17 +143,13 @@ def _pack(codes: np.ndarray, bits: int) -> bytes:
     return (flat * base ** np.arange(k, dtype=np.int32)).sum(1).astype(np.uint8).tobytes()
 
 
-def _unpack(raw: bytes, bits: int, n: int, c: int) -> np.ndarray:
+def _digits(bits: int) -> np.ndarray:
+    """``[256, k]`` lookup table: the base-``2m + 1`` digits of every byte (unpacking is one gather)."""
     k, base = _PER_BYTE[bits], 2 * max_level(bits) + 1
-    x = np.frombuffer(raw, dtype=np.uint8)
-    if k > 1:
-        x = x.astype(np.int32)
-        digits = np.empty((x.size, k), dtype=np.uint8)
-        for i in range(k):
-            digits[:, i] = x % base
-            x = x // base
-        x = digits.reshape(-1)[: n * c]
-    return x.reshape(c, n).T
+    return np.stack([(np.arange(256) // base**i) % base for i in range(k)], 1).astype(np.uint8)
+
+
+_DIGITS = {bits: _digits(bits) for bits in _PER_BYTE}
 
 
 def segment_widths(bits: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -181,27 +178,39 @@ def encode_block(positions: np.ndarray, segments: list[tuple[int, np.ndarray]]) 
     return b"".join(parts)
 
 
-def decode_block(frame: bytes, widths: list[tuple[int, int]]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Inverse of :func:`encode_block` given ``(bits, columns)`` of each segment: positions ``[n]`` int64 and
-    the segments' codes ``[n, columns]`` uint8."""
-    (n,) = _HEADER.unpack_from(frame)
-    at = _HEADER.size + 1
-    if frame[_HEADER.size] == 1:
-        (first,) = struct.unpack_from("<i", frame, at)
-        positions, at = np.arange(first, first + n, dtype=np.int64), at + 4
-    else:
-        (size,) = _HEADER.unpack_from(frame, at)
-        at += _HEADER.size
-        raw = _DECOMPRESSOR.decompress(frame[at:at + size], max_output_size=4 * n)
-        positions, at = np.cumsum(np.frombuffer(raw, dtype="<i4").astype(np.int64)), at + size
-    out = []
-    for bits, c in widths:
-        (size,) = _HEADER.unpack_from(frame, at)
-        at += _HEADER.size
-        raw = _DECOMPRESSOR.decompress(frame[at:at + size], max_output_size=-(-n * c // _PER_BYTE[bits]))
-        out.append(_unpack(raw, bits, n, c))
-        at += size
-    return positions, out
+def decode_blocks(frames: list[bytes], widths: list[tuple[int, int]]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Inverse of :func:`encode_block` for blocks of equal length ``n``, given ``(bits, columns)`` of each
+    segment: positions ``[len(frames) * n]`` int64 and each segment's codes ``[len(frames) * n, columns]``
+    uint8 (the entropy decoding is per block; unpacking runs once over all of them)."""
+    positions, raws = [], [[] for _ in widths]
+    for frame in frames:
+        (n,) = _HEADER.unpack_from(frame)
+        at = _HEADER.size + 1
+        if frame[_HEADER.size] == 1:
+            (first,) = struct.unpack_from("<i", frame, at)
+            positions.append(np.arange(first, first + n, dtype=np.int64))
+            at += 4
+        else:
+            (size,) = _HEADER.unpack_from(frame, at)
+            at += _HEADER.size
+            raw = _DECOMPRESSOR.decompress(frame[at:at + size], max_output_size=4 * n)
+            positions.append(np.cumsum(np.frombuffer(raw, dtype="<i4").astype(np.int64)))
+            at += size
+        for out, (bits, c) in zip(raws, widths):
+            (size,) = _HEADER.unpack_from(frame, at)
+            at += _HEADER.size
+            out.append(_DECOMPRESSOR.decompress(frame[at:at + size], max_output_size=-(-n * c // _PER_BYTE[bits])))
+            at += size
+    if not frames:
+        return np.zeros(0, dtype=np.int64), [np.zeros((0, c), dtype=np.uint8) for _, c in widths]
+    n, count = len(positions[0]), len(frames)
+    segments = []
+    for raw, (bits, c) in zip(raws, widths):
+        x = np.frombuffer(b"".join(raw), dtype=np.uint8).reshape(count, -1)
+        if _PER_BYTE[bits] > 1:
+            x = _DIGITS[bits][x].reshape(count, -1)
+        segments.append(x[:, : n * c].reshape(count, c, n).transpose(0, 2, 1).reshape(count * n, c))
+    return np.concatenate(positions), segments
 
 
 # -- attention -----------------------------------------------------------------------------------------------
