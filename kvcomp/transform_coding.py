@@ -26,7 +26,6 @@ import zstandard
 
 BITS = (0, 2, 4, 8)
 ZSTD_LEVEL = 9
-_HEADER = struct.Struct("<H")
 _PARAMS = zstandard.ZstdCompressionParameters.from_level(
     ZSTD_LEVEL, format=zstandard.FORMAT_ZSTD1_MAGICLESS, write_content_size=0, write_checksum=0, write_dict_id=0
 )
@@ -157,53 +156,54 @@ def segment_widths(bits: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return [(b, bits == b) for b in BITS[1:] if (bits == b).any()]
 
 
+def _block_header(n_segments: int) -> struct.Struct:
+    return struct.Struct("<HBi" + "H" * n_segments)
+
+
 def encode_block(positions: np.ndarray, segments: list[tuple[int, np.ndarray]]) -> bytes:
     """One coded block of ``n`` tokens: positions ``[n]`` and ``(bits, codes [n, c])`` segments -> bytes.
 
-    Layout: uint16 ``n``, uint8 flag; contiguous positions (flag 1) store the first as int32, others a
-    uint16 length and a zstd frame of int32 deltas; then per segment a uint16 length and a zstd frame of the
-    packed codes (one frame per bit width, so each gets its own Huffman table)."""
+    Layout: a header (uint16 ``n``, uint8 flag, int32, uint16 length of each segment), then the frames.
+    Contiguous positions (flag 1) are the header's int32 (the first position) alone; otherwise the int32 is
+    the length of a zstd frame of int32 position deltas. Then one zstd frame per segment: the packed codes
+    of one bit width (so each gets its own Huffman table)."""
     pos = positions.astype(np.int64)
-    parts = []
+    frames = [_COMPRESSOR.compress(_pack(codes, bits)) for bits, codes in segments]
+    if any(len(f) > 0xFFFF for f in frames):
+        raise ValueError("a coded segment exceeds 65535 bytes; use a smaller block_size")
+    lengths = [len(f) for f in frames]
     if pos.size and bool((np.diff(pos) == 1).all()):
-        parts.append(_HEADER.pack(len(pos)) + b"\x01" + struct.pack("<i", int(pos[0])))
+        head = _block_header(len(frames)).pack(len(pos), 1, int(pos[0]), *lengths)
     else:
-        frame = _COMPRESSOR.compress(np.diff(pos, prepend=0).astype("<i4").tobytes())
-        parts.append(_HEADER.pack(len(pos)) + b"\x00" + _HEADER.pack(len(frame)) + frame)
-    for bits, codes in segments:
-        frame = _COMPRESSOR.compress(_pack(codes, bits))
-        if len(frame) > 0xFFFF:
-            raise ValueError("a coded segment exceeds 65535 bytes; use a smaller block_size")
-        parts.append(_HEADER.pack(len(frame)) + frame)
-    return b"".join(parts)
+        frames.insert(0, _COMPRESSOR.compress(np.diff(pos, prepend=0).astype("<i4").tobytes()))
+        head = _block_header(len(lengths)).pack(len(pos), 0, len(frames[0]), *lengths)
+    return head + b"".join(frames)
 
 
 def decode_blocks(frames: list[bytes], widths: list[tuple[int, int]]) -> tuple[np.ndarray, list[np.ndarray]]:
     """Inverse of :func:`encode_block` for blocks of equal length ``n``, given ``(bits, columns)`` of each
     segment: positions ``[len(frames) * n]`` int64 and each segment's codes ``[len(frames) * n, columns]``
     uint8 (the entropy decoding is per block; unpacking runs once over all of them)."""
-    positions, raws = [], [[] for _ in widths]
-    for frame in frames:
-        (n,) = _HEADER.unpack_from(frame)
-        at = _HEADER.size + 1
-        if frame[_HEADER.size] == 1:
-            (first,) = struct.unpack_from("<i", frame, at)
-            positions.append(np.arange(first, first + n, dtype=np.int64))
-            at += 4
-        else:
-            (size,) = _HEADER.unpack_from(frame, at)
-            at += _HEADER.size
-            raw = _DECOMPRESSOR.decompress(frame[at:at + size], max_output_size=4 * n)
-            positions.append(np.cumsum(np.frombuffer(raw, dtype="<i4").astype(np.int64)))
-            at += size
-        for out, (bits, c) in zip(raws, widths):
-            (size,) = _HEADER.unpack_from(frame, at)
-            at += _HEADER.size
-            out.append(_DECOMPRESSOR.decompress(frame[at:at + size], max_output_size=-(-n * c // _PER_BYTE[bits])))
-            at += size
     if not frames:
         return np.zeros(0, dtype=np.int64), [np.zeros((0, c), dtype=np.uint8) for _, c in widths]
-    n, count = len(positions[0]), len(frames)
+    header = _block_header(len(widths))
+    n = header.unpack_from(frames[0])[0]
+    out_sizes = [-(-n * c // _PER_BYTE[bits]) for bits, c in widths]
+    decompress = _DECOMPRESSOR.decompress
+    positions, raws = [], [[] for _ in widths]
+    for frame in frames:
+        _, contiguous, value, *lengths = header.unpack_from(frame)
+        view, at = memoryview(frame), header.size
+        if contiguous:
+            positions.append(np.arange(value, value + n, dtype=np.int64))
+        else:
+            raw = decompress(view[at:at + value], max_output_size=4 * n)
+            positions.append(np.cumsum(np.frombuffer(raw, dtype="<i4").astype(np.int64)))
+            at += value
+        for out, size, out_size in zip(raws, lengths, out_sizes):
+            out.append(decompress(view[at:at + size], max_output_size=out_size))
+            at += size
+    count = len(frames)
     segments = []
     for raw, (bits, c) in zip(raws, widths):
         x = np.frombuffer(b"".join(raw), dtype=np.uint8).reshape(count, -1)
