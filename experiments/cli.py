@@ -1,4 +1,4 @@
-"""The ``kvcomp`` command: list, generate, demo, grid, run, report."""
+"""The ``kvcomp`` command: list, generate, demo, grid, run, report, calibrate."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def _parse_param(text: str) -> tuple[str, object]:
 def _load(args):
     from kvcomp import load_model
 
-    return load_model(args.model, dtype=args.dtype)
+    name = None if args.model == "embedded" else args.model
+    return load_model(name, dtype=args.dtype)
 
 
 def _generate(args) -> int:
@@ -127,12 +128,30 @@ def _report(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    import time
+
+    from kvcomp import kvtc_calibration as calibration
+
+    text = Path(args.data).read_text() if args.data else None
+    model, tokenizer = _load(args)
+    out = args.out or calibration.default_artifact_path(model)
+    t0 = time.perf_counter()
+    path = calibration.calibrate(model, tokenizer, out, text=text, tokens=args.tokens, seq_len=args.seq_len,
+                                 source=args.data or "stdlib docstrings")
+    meta = calibration.load_artifact(path).meta
+    print(f"{path}\n  {meta['tokens']} calibration tokens of {meta['data']}, {meta['num_layers']} layers x "
+          f"{meta['num_kv_heads']} KV heads x {meta['head_dim']}, {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcomp", description="KV-cache compression for Hugging Face LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p):
-        p.add_argument("--model", default=None, help="HF id or path; default: the embedded SmolLM2-135M-Instruct")
+        p.add_argument("--model", default=None,
+                       help="HF id or path, 'tiny' or 'embedded'; default: the embedded SmolLM2-135M-Instruct")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
     p = sub.add_parser("list", help="registered compressors and their parameters")
@@ -190,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dirs", nargs="+", help="run directories, sweeps, or trees of them (with summary.json)")
     p.add_argument("--out", default="reports/latest", help="where report.csv, report.md and the PNGs go")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("calibrate", help="fit a method's calibration artifact (kvtc: PCA bases and bit tables)")
+    p.add_argument("method", choices=["kvtc"])
+    model_args(p)
+    p.add_argument("--data", default=None, help="a plain-text file; default: Python stdlib docstrings (offline)")
+    p.add_argument("--out", default=None, help="artifact path; default: the model's path under $KVCOMP_CACHE/kvtc")
+    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence")
+    p.set_defaults(func=_calibrate)
     return parser
 
 

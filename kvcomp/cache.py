@@ -178,6 +178,7 @@ class CompressedCache(Cache):
 
     def __init__(self, model, compressor: Compressor, question_length: int | list[int] | None = None):
         install(model)
+        compressor.bind(model)
         if isinstance(question_length, int):
             question_length = [question_length]
         if question_length is not None:

@@ -92,6 +92,10 @@ class Compressor:
         pass
 
     # -- hooks ---------------------------------------------------------------------------------------------
+    def bind(self, model) -> None:
+        """Called once by ``CompressedCache`` with the model it serves, before any compute: a method that
+        needs model-specific data (a calibration artifact) loads and checks it here."""
+
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> Any:
         raise NotImplementedError
 
@@ -210,6 +214,10 @@ class Compose(Compressor):
     def check(self, batch_size: int) -> None:
         for stage in self.stages:
             stage.check(batch_size)
+
+    def bind(self, model) -> None:
+        for stage in self.stages:
+            stage.bind(model)
 
     def params(self) -> dict[str, Any]:
         from kvcomp.registry import name_of  # the registry imports this module

@@ -1,0 +1,243 @@
+"""KVTC: transform coding of the KV cache (PCA, DP bit allocation, quantization, entropy coding).
+
+Staniszewski & Łańcucki, "KV Cache Transform Coding for Compact Storage in LLM Inference", ICLR 2026,
+https://arxiv.org/abs/2511.01815
+
+The first ``n_sink`` tokens of each row and KV head and its newest ``window`` to ``window + block_size - 1``
+tokens stay in full precision. Whenever the window reaches ``window + block_size`` tokens its oldest
+``block_size`` become one coded block: keys lose their RoPE rotation (positions from ``ctx.positions``, the
+model's ``inv_freq``/``attention_scaling`` from the artifact), keys and values are projected on their layer's
+and KV head's PCA basis, each group of ``group_size`` components is quantized with the bit width (0, 2, 4 or 8)
+the DP chose, and the block is zstd-coded into a ``bytes`` object (layout in :mod:`kvcomp.transform_coding`).
+Prefill codes every whole block beyond the window at once.
+
+Rate. ``compression_factor`` is the target for the coded tokens over the uncompressed cache in the run's
+dtype: the DP (:func:`kvcomp.kvtc_calibration.allocate`) gives keys and values of each KV head
+``head_dim * dtype_bits / compression_factor`` bits per token each, counted as the calibrated entropy of the
+codes, and minimises the calibrated squared error. The measured ``memory_factor`` is lower at short contexts
+(sinks and window are uncompressed) and differs from the target by how far zstd is from the entropy.
+
+Bytes. ``nbytes()`` counts the coded blocks (header, positions, codes: ``len()`` of each ``bytes``), the
+full-precision sink and window tensors (K, V, int32 positions) and the ``[B, H_kv]`` int64 count of coded
+tokens. The calibration artifact (bases, means, steps) is shared by every sequence of the model:
+:meth:`KVTC.basis_bytes` reports it once, and it is not in ``nbytes()``.
+
+Decoding. :meth:`KVTC.attend` never materializes the whole reconstructed cache: it entropy-decodes up to
+``_DECODE_TOKENS`` (1024) coded tokens of each row and KV head of one layer at a time, reconstructs them (``[B, H_kv, T, D]``
+keys and values in float32, RoPE re-applied, plus their ``[B, H_kv, T, D]`` uint8 codes) and folds them into an
+online softmax, then the sinks and the window. Nothing decoded is kept between steps, so every decode step
+entropy-decodes the whole coded cache: on SmolLM2-135M at 4K tokens on 2 CPU cores that is about 2.5-3 s a
+step against 0.35 s for the uncompressed cache (zstd calls and numpy unpacking in Python; no kernel yet).
+:meth:`KVTC.materialize` (for composition after KVTC and for tests) does reconstruct everything at once.
+
+Composition. Token selection before KVTC (``Compose(SnapKV(0.5), KVTC())``) hands over each KV head's kept
+tokens with their original positions; KVTC codes each row and KV head separately, so heads holding different
+tokens are fine (that is why the PCA bases are per KV head, see :mod:`kvcomp.kvtc_calibration`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from kvcomp import kvtc_calibration as calibration
+from kvcomp import transform_coding as tc
+from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
+from kvcomp.selection import TokenStore, compact
+
+_DECODE_TOKENS = 1024  # coded tokens reconstructed at a time in attend()
+
+
+@dataclass
+class KVTCState:
+    """sinks, window: full-precision ``TokenStore`` s (``[B, H_kv, S|W, D]``); blocks[b][h]: coded blocks of
+    row b and KV head h, oldest first, each ``block_size`` tokens; coded_tokens: ``[B, H_kv]`` int64."""
+
+    layer: int
+    sinks: TokenStore
+    blocks: list[list[list[bytes]]]
+    coded_tokens: torch.Tensor
+    window: TokenStore
+
+    def coded_bytes(self) -> int:
+        return sum(len(f) for row in self.blocks for head in row for f in head)
+
+
+@dataclass
+class KVTC(Compressor):
+    compression_factor: float = 8.0
+    artifact: str | None = None  # None: the model's default path (see kvcomp.kvtc_calibration)
+    n_sink: int = 4
+    window: int = 128
+    block_size: int = 64
+    group_size: int = 4  # principal components per DP group
+
+    capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, needs_calibration=True)
+
+    def __post_init__(self) -> None:
+        f = self.compression_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1.0:
+            raise CompressorError(f"compression_factor must be a number >= 1 (target over 16/32-bit KV), got {f!r}.")
+        for name, low in (("n_sink", 0), ("window", 0), ("block_size", 1), ("group_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise CompressorError(f"{name} must be an integer >= {low}, got {value!r}.")
+        if self.block_size > 512:
+            raise CompressorError(f"block_size must be at most 512 tokens (2-byte segment lengths), got {self.block_size}.")
+        self._calibration: calibration.Calibration | None = None
+        self._codecs: dict = {}
+        if self.artifact is not None:
+            self._calibration = calibration.load_artifact(self.artifact)
+
+    # -- calibration ---------------------------------------------------------------------------------------
+    def bind(self, model) -> None:
+        if self._calibration is None:
+            path = calibration.default_artifact_path(model)
+            if not path.is_file():
+                raise CompressorError(
+                    f"KVTC needs a calibration artifact for this model and none was given (artifact=None) or found "
+                    f"at {path}. Create it with: kvcomp calibrate kvtc --model <this model> --out {path}"
+                )
+            self._calibration = calibration.load_artifact(path)
+        self._calibration.check_model(model)
+
+    @property
+    def calibration(self) -> calibration.Calibration:
+        if self._calibration is None:
+            raise CompressorError(
+                f"KVTC has no calibration artifact: pass artifact=<path> from `{calibration.CALIBRATE_COMMAND}`."
+            )
+        return self._calibration
+
+    def basis_bytes(self) -> int:
+        """One-off bytes of the shared calibration (bases, means, quantizer tables), not per sequence."""
+        return self.calibration.nbytes()
+
+    def codec(self, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Per-layer tensors for coding: basis ``[H, 2, D, D]``, mean, step and level ``[H, 2, D]`` (step 0
+        for dropped components) on ``device``, and bits ``[H, 2, D]`` (CPU)."""
+        key = (layer, torch.finfo(dtype).bits, str(device))
+        if key not in self._codecs:
+            cal = self.calibration
+            if layer >= cal.basis.shape[0]:
+                raise CompressorError(f"the KVTC artifact {cal.path} has {cal.basis.shape[0]} layers, not {layer + 1}.")
+            bits = calibration.allocate(cal, layer, key[1], float(self.compression_factor), self.group_size)
+            index = {b: i for i, b in enumerate(tc.BITS[1:])}
+            steps = cal.step[layer]  # [H, 2, 3, D]
+            step = torch.zeros(bits.shape)
+            for b, i in index.items():
+                step = torch.where(bits == b, steps[:, :, i], step)
+            self._codecs[key] = dict(basis=cal.basis[layer].to(device), mean=cal.mean[layer].to(device),
+                                     step=step.to(device), level=tc.max_level(bits).float().to(device), bits=bits,
+                                     inv_freq=cal.inv_freq.to(device))
+        return self._codecs[key]
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def prefill(self, layer, q, k, v, ctx):
+        store = compact(TokenStore(k, v, ctx.positions.to(torch.int32)))
+        s = min(self.n_sink, store.positions.shape[-1])
+        sinks = TokenStore(store.keys[:, :, :s], store.values[:, :, :s], store.positions[:, :, :s])
+        rest = TokenStore(store.keys[:, :, s:], store.values[:, :, s:], store.positions[:, :, s:])
+        b, h = k.shape[:2]
+        state = KVTCState(layer, sinks, [[[] for _ in range(h)] for _ in range(b)],
+                          torch.zeros(b, h, dtype=torch.long, device=k.device), rest)
+        return self._flush(layer, state, compact(rest))
+
+    def append(self, layer, state: KVTCState, k, v, ctx):
+        return self._flush(layer, state, compact(state.window.cat(TokenStore(k, v, ctx.positions.to(torch.int32)))))
+
+    def _flush(self, layer: int, state: KVTCState, window: TokenStore) -> KVTCState:
+        """Code the oldest whole blocks of ``window`` that lie beyond the last ``self.window`` tokens."""
+        n_blocks = (window.valid.sum(-1) - self.window).clamp(min=0) // self.block_size  # [B, H]
+        take = int(n_blocks.max()) * self.block_size
+        if take == 0:
+            state.window = window
+            return state
+        codec = self.codec(layer, window.keys.dtype, window.keys.device)
+        ck, cv, pos = self._encode(codec, window.keys[:, :, :take], window.values[:, :, :take],
+                                   window.positions[:, :, :take])
+        bits = codec["bits"].numpy()
+        for b, h in zip(*np.nonzero(n_blocks.cpu().numpy())):
+            widths = [(codes, tc.segment_widths(bits[h, kind])) for kind, codes in enumerate((ck, cv))]
+            for j in range(int(n_blocks[b, h])):
+                sl = slice(j * self.block_size, (j + 1) * self.block_size)
+                segments = [(w, codes[b, h, sl][:, cols]) for codes, ws in widths for w, cols in ws]
+                state.blocks[b][h].append(tc.encode_block(pos[b, h, sl], segments))
+        state.coded_tokens = state.coded_tokens + n_blocks * self.block_size
+        # Drop the coded slots from the window: shift each row and head left by its own coded count.
+        length = window.positions.shape[-1]
+        index = torch.arange(length, device=window.keys.device).view(1, 1, -1) + (n_blocks * self.block_size)[..., None]
+        state.window = compact(window.gather(index.clamp(max=length - 1), index < length))
+        return state
+
+    def _encode(self, codec, keys, values, positions):
+        """``[B, H, T, D]`` K/V (post-RoPE keys) -> key codes, value codes ``[B, H, T, D]`` uint8 (numpy)
+        and positions ``[B, H, T]``."""
+        cal = self.calibration
+        pre = tc.undo_rope(keys.float(), positions.clamp(max=SENTINEL - 1), codec["inv_freq"], cal.attention_scaling)
+        codes = []
+        for kind, x in enumerate((pre, values.float())):
+            y = torch.einsum("bhtd,hcd->bhtc", x - codec["mean"][:, kind, None], codec["basis"][:, kind])
+            codes.append(tc.quantize(y, codec["step"][:, kind, None], codec["level"][:, kind, None]).cpu().numpy())
+        return codes[0], codes[1], positions.cpu().numpy()
+
+    def _decoded_chunks(self, layer: int, state: KVTCState, dtype: torch.dtype, per_chunk: int):
+        """Yield reconstructed ``(keys, values, positions)`` of ``per_chunk`` blocks at a time, ``[B, H, T, D]``
+        float32 (RoPE re-applied) and ``[B, H, T]`` (SENTINEL where a row or head has fewer blocks)."""
+        device = state.window.keys.device
+        codec = self.codec(layer, dtype, device)
+        cal = self.calibration
+        b, h, d = len(state.blocks), len(state.blocks[0]), codec["basis"].shape[-1]
+        bits = codec["bits"].numpy()
+        widths = [[tc.segment_widths(bits[j, kind]) for kind in range(2)] for j in range(h)]
+        n_max = max(len(blocks) for row in state.blocks for blocks in row)
+        for start in range(0, n_max, per_chunk):
+            t = min(per_chunk, n_max - start) * self.block_size
+            codes = np.zeros((2, b, h, t, d), dtype=np.uint8)
+            pos = np.full((b, h, t), SENTINEL, dtype=np.int64)
+            for i in range(b):
+                for j in range(h):
+                    spec = [(w, int(cols.sum())) for ws in widths[j] for w, cols in ws]
+                    targets = [(kind, cols) for kind in range(2) for _, cols in widths[j][kind]]
+                    p, segments = tc.decode_blocks(state.blocks[i][j][start:start + per_chunk], spec)
+                    pos[i, j, : len(p)] = p
+                    for (kind, cols), seg in zip(targets, segments):
+                        codes[kind, i, j, : len(p)][:, cols] = seg
+            codes_t, pos_t = torch.from_numpy(codes).to(device), torch.from_numpy(pos).to(device)
+            out = []
+            for kind in range(2):
+                y = tc.dequantize(codes_t[kind], codec["step"][:, kind, None], codec["level"][:, kind, None])
+                out.append(torch.einsum("bhtc,hcd->bhtd", y, codec["basis"][:, kind]) + codec["mean"][:, kind, None])
+            keys = tc.apply_rope(out[0], pos_t.clamp(max=SENTINEL - 1), codec["inv_freq"], cal.attention_scaling)
+            yield keys, out[1], pos_t
+
+    def materialize(self, state: KVTCState):
+        """Everything reconstructed at once (for composition and tests; attend() does not call this)."""
+        dtype = state.window.keys.dtype
+        parts = [(state.sinks.keys, state.sinks.values, state.sinks.positions)]
+        if int(state.coded_tokens.max()):
+            chunks = self._decoded_chunks(state.layer, state, dtype, per_chunk=1 << 30)
+            parts += [(k.to(dtype), v.to(dtype), p.to(torch.int32)) for k, v, p in chunks]
+        parts.append((state.window.keys, state.window.values, state.window.positions))
+        return tuple(torch.cat([p[i] for p in parts], dim=2) for i in range(3))
+
+    def attend(self, layer, state: KVTCState, q, ctx):
+        acc = tc.OnlineSoftmax(q, ctx.query_positions, state.window.keys.shape[1], ctx.scaling)
+        acc.step(state.sinks.keys, state.sinks.values, state.sinks.positions)
+        if int(state.coded_tokens.max()):
+            per_chunk = max(1, _DECODE_TOKENS // self.block_size)
+            for k, v, p in self._decoded_chunks(layer, state, state.window.keys.dtype, per_chunk):
+                acc.step(k, v, p)
+        acc.step(state.window.keys, state.window.values, state.window.positions)
+        return acc.result()
+
+    def nbytes(self, state: KVTCState) -> dict[str, int]:
+        dense = state.sinks.nbytes() + state.window.nbytes()
+        coded = state.coded_bytes() + state.coded_tokens.numel() * state.coded_tokens.element_size()
+        return {"device": dense + coded, "host": 0, "disk": 0}
+
+    def stored_tokens(self, state: KVTCState) -> torch.Tensor:
+        return state.sinks.valid.sum(-1) + state.coded_tokens + state.window.valid.sum(-1)

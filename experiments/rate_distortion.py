@@ -1,0 +1,118 @@
+"""Rate-distortion of the representation methods: quant (KIVI) at 8/4/2 bits and KVTC at target factors
+4/8/16, against the uncompressed cache, on RULER needle tasks.
+
+    python -m experiments.rate_distortion --length 4096 --samples 20 --out runs/rate_distortion
+
+Every (task, method) run is a resumable JSONL file of ``eval.runner`` records under ``--out``; the
+uncompressed reference is shared, so fidelity (exact match, agreement, first divergence) is computed once.
+``rate_distortion-L<length>.csv`` holds one row per task and method plus an ``all`` row per method (every
+record of the method pooled): score, measured memory_factor, fidelity, prefill/decode seconds per sample and
+the wall seconds of the whole run. KVTC uses ``--artifact``, else the model's default artifact, calibrating it
+first when it does not exist (``--calibration-tokens`` tokens of the default offline text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import time
+from pathlib import Path
+
+from compressors.kvtc import KVTC
+from compressors.quant import Quant
+from eval.runner import load_records, load_samples, run, summarize
+from kvcomp import kvtc_calibration as calibration
+from kvcomp import load_model
+
+TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
+QUANT_BITS = (8, 4, 2)
+KVTC_FACTORS = (4, 8, 16)
+COLUMNS = ["task", "method", "setting", "score", "memory_factor", "exact_match", "agreement", "first_divergence",
+           "prefill_s", "decode_s", "wall_s", "n", "context_tokens"]
+
+
+def configs(artifact: str, quant_bits=QUANT_BITS, kvtc_factors=KVTC_FACTORS):
+    yield "none", "-", None
+    for bits in quant_bits:
+        yield "quant", f"bits={bits}", Quant(bits=bits)
+    for factor in kvtc_factors:
+        yield "kvtc", f"factor={factor}", KVTC(compression_factor=float(factor), artifact=artifact)
+
+
+def ensure_artifact(model, tokenizer, artifact: str | None, tokens: int) -> str:
+    path = Path(artifact) if artifact else calibration.default_artifact_path(model)
+    if not path.is_file():
+        t0 = time.perf_counter()
+        calibration.calibrate(model, tokenizer, path, tokens=tokens)
+        print(f"calibrated KVTC on {tokens} tokens in {time.perf_counter() - t0:.0f} s -> {path}", flush=True)
+    calibration.load_artifact(path, model)
+    return str(path)
+
+
+def _row(task: str, method: str, setting: str, records: list[dict], wall: float) -> dict:
+    s = summarize(records)
+    return {"task": task, "method": method, "setting": setting, "score": s["score"],
+            "memory_factor": s["memory_factor"], "exact_match": s["exact_match_rate"], "agreement": s["agreement"],
+            "first_divergence": s["mean_first_divergence"], "prefill_s": s["prefill_seconds"],
+            "decode_s": s["decode_seconds"], "wall_s": wall, "n": s["n"], "context_tokens": s["context_length"]}
+
+
+def rate_distortion(model, tokenizer, *, tasks=TASKS, length: int = 4096, samples: int = 20,
+                    out_dir: str | Path = "runs/rate_distortion", artifact: str | None = None,
+                    calibration_tokens: int = 8192, query_aware: bool = False, quant_bits=QUANT_BITS,
+                    kvtc_factors=KVTC_FACTORS, progress: bool = True) -> list[dict]:
+    out_dir = Path(out_dir) / f"L{length}"
+    artifact = ensure_artifact(model, tokenizer, artifact, calibration_tokens)
+    mode = "aware" if query_aware else "agnostic"
+    rows, pooled = [], {}
+    for task in tasks:
+        bench = load_samples(f"ruler/{task}", tokenizer, length=length, num_samples=samples, seed=0)
+        for method, setting, compressor in configs(artifact, quant_bits, kvtc_factors):
+            label = method if compressor is None else f"{method}-{setting.replace('=', '')}"
+            path = out_dir / task / f"{label}-{mode}.jsonl"
+            t0 = time.perf_counter()
+            list(run(model, tokenizer, bench, compressor, query_aware=query_aware, out_path=path,
+                     reference=out_dir / task / "reference.jsonl", progress=progress))
+            wall = time.perf_counter() - t0
+            records = load_records(path)
+            rows.append(_row(task, method, setting, records, wall))
+            entry = pooled.setdefault((method, setting), ([], 0.0))
+            pooled[(method, setting)] = (entry[0] + records, entry[1] + wall)
+            print({k: rows[-1][k] for k in ("task", "method", "setting", "score", "memory_factor", "agreement")},
+                  flush=True)
+    rows += [_row("all", m, s, recs, wall) for (m, s), (recs, wall) in pooled.items()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / f"rate_distortion-L{length}-{mode}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.rate_distortion", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="HF id or path, 'tiny'; default: the embedded model")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tasks", nargs="+", default=list(TASKS))
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=20)
+    p.add_argument("--out", default="runs/rate_distortion")
+    p.add_argument("--artifact", default=None, help="KVTC artifact; default: the model's (calibrated if missing)")
+    p.add_argument("--calibration-tokens", type=int, default=8192)
+    p.add_argument("--quant-bits", type=int, nargs="*", default=list(QUANT_BITS))
+    p.add_argument("--kvtc-factors", type=float, nargs="*", default=list(KVTC_FACTORS))
+    p.add_argument("--query-aware", action="store_true")
+    args = p.parse_args(argv)
+    model, tokenizer = load_model(None if args.model == "embedded" else args.model, dtype=args.dtype)
+    rows = rate_distortion(model, tokenizer, tasks=args.tasks, length=args.length, samples=args.samples,
+                           out_dir=args.out, artifact=args.artifact, calibration_tokens=args.calibration_tokens,
+                           query_aware=args.query_aware, quant_bits=args.quant_bits,
+                           kvtc_factors=[f if f % 1 else int(f) for f in args.kvtc_factors])
+    for r in rows:
+        print(",".join("" if r[c] is None else (f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]))
+                       for c in COLUMNS))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""Calibration for KVTC transform coding: PCA bases and per-component rate/error tables, saved as a
+versioned safetensors artifact tied to the model.
+
+``calibrate(model, tokenizer, out)`` (CLI: ``kvcomp calibrate kvtc --model ... --out ...``) runs the model
+over calibration text in sequences of ``seq_len`` tokens, takes the cached keys (which transformers stores
+after RoPE) and undoes RoPE with the model's own ``inv_freq`` and ``attention_scaling``, skips each
+sequence's first ``n_sink`` tokens (KVTC keeps sinks uncompressed, and their outlier activations would
+dominate the variance), and fits with scikit-learn one PCA basis per layer, KV head and kind (keys, values).
+
+Heads are *not* concatenated (the paper concatenates all layers and heads into one vector): each KV head has
+its own ``D x D`` basis. Token selection composed before KVTC (``Compose(SnapKV(...), KVTC(...))``) keeps
+different tokens in each KV head, so a per-token vector across heads does not exist there; per-head bases
+also need far fewer calibration tokens than a ``layers * heads * D``-dimensional PCA (5760 dimensions on
+SmolLM2-135M).
+
+For each component and bit width (2, 4, 8) the artifact stores the quantizer step (the clipping range on a
+grid of multiples of the component's standard deviation that minimises the squared error on the calibration
+coefficients; at 8 bits at least 1.5 times the largest calibration coefficient, so that text unlike the
+calibration text is not clipped where the budget asks for near-lossless coding), that squared error, and the empirical entropy of the codes (bits per token: the rate an
+entropy coder can reach). The bit allocation for a target compression factor is computed from these tables
+when KVTC loads the artifact (:func:`kvcomp.transform_coding.allocate_bits`), so one artifact serves every
+factor and dtype.
+
+Default text (no download): docstrings of the Python standard library, read with :mod:`ast`. RULER's
+offline ``essay`` haystacks come from ``pydoc_data.topics`` first and reach the docstrings only beyond about
+27k words, so calibration prose and 4K-token evaluation haystacks do not overlap.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcomp.compressor import CompressorError
+from kvcomp.transform_coding import BITS, dequantize, max_level, quantize, undo_rope
+
+FORMAT = "kvcomp-kvtc"
+VERSION = 1
+_CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rope_parameters", "rope_scaling",
+                "partial_rotary_factor", "max_position_embeddings")
+_STEP_GRID = torch.logspace(-2, 4, 19, base=2.0)  # clipping range / sigma, 0.25 .. 16
+_SEARCH_TOKENS = 1024
+_MARGIN = 1.5  # 8-bit clipping range over the largest calibration coefficient (text unlike the calibration's)
+CALIBRATE_COMMAND = "kvcomp calibrate kvtc --model <name or path> --out <artifact.safetensors>"
+
+
+# -- model identity ------------------------------------------------------------------------------------------
+def _text_config(model):
+    return model.config.get_text_config(decoder=True)
+
+
+def model_identity(model) -> dict:
+    """What ties an artifact to a model: layer/head/dim counts and a hash of the architecture config."""
+    cfg = _text_config(model)
+    d = cfg.to_dict()
+    key = json.dumps({k: d.get(k) for k in _CONFIG_KEYS}, sort_keys=True, default=str)
+    return {
+        "model": str(getattr(cfg, "name_or_path", "") or getattr(model, "name_or_path", "") or cfg.model_type),
+        "config_hash": hashlib.sha256(key.encode()).hexdigest()[:16],
+        "num_layers": int(cfg.num_hidden_layers),
+        "num_kv_heads": int(cfg.num_key_value_heads),
+        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+    }
+
+
+def weight_probe(model, n: int = 256) -> torch.Tensor:
+    """The first ``n`` weights of the first key projection (float32): tells two checkpoints of one
+    architecture apart (compared with a tolerance that survives bfloat16 rounding)."""
+    for name, p in model.named_parameters():
+        if "k_proj" in name and name.endswith("weight"):
+            return p.detach().flatten()[:n].float().cpu().clone()
+    return next(model.parameters()).detach().flatten()[:n].float().cpu().clone()
+
+
+def rotary(model) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` of the model's rotary embedding (static RoPE types only)."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "attention_scaling"):
+            if getattr(module, "rope_type", "default") in ("dynamic", "longrope"):
+                raise CompressorError(
+                    f"KVTC needs a static rotary embedding; rope_type {module.rope_type!r} changes with length."
+                )
+            return module.inv_freq.detach().float().cpu().clone(), float(module.attention_scaling)
+    raise CompressorError("KVTC found no rotary embedding (a module with inv_freq) in this model.")
+
+
+def default_artifact_path(model) -> Path:
+    from kvcomp.models import cache_dir
+
+    return cache_dir() / "kvtc" / f"kvtc-{model_identity(model)['config_hash']}.safetensors"
+
+
+# -- calibration text ----------------------------------------------------------------------------------------
+def default_text(num_words: int = 60000) -> str:
+    """Prose from the docstrings of the standard library (sorted files, source order), about ``num_words``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo", "__pycache__"}
+    words: list[str] = []
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        for name in sorted(f for f in filenames if f.endswith(".py")):
+            try:
+                tree = ast.parse((Path(dirpath) / name).read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc.split()) >= 8:
+                        words.extend(doc.split())
+            if len(words) >= num_words:
+                return " ".join(words)
+    return " ".join(words)
+
+
+# -- fitting -------------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def collect(model, tokenizer, text: str, tokens: int, seq_len: int, n_sink: int):
+    """Pre-RoPE keys and values of ``tokens`` calibration tokens: two ``[L, N, H, D]`` float32 tensors."""
+    from transformers import DynamicCache
+
+    inv_freq, scaling = rotary(model)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    if ids.numel() < min(tokens, seq_len):
+        raise CompressorError(f"the calibration text has {ids.numel()} tokens; KVTC needs at least {seq_len}.")
+    keys, values, taken = [], [], 0
+    for start in range(0, ids.numel() - n_sink - 1, seq_len):
+        chunk = ids[start:start + min(seq_len, tokens - taken)]
+        if chunk.numel() <= n_sink or taken >= tokens:
+            break
+        cache = DynamicCache()
+        model(input_ids=chunk.view(1, -1).to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        pos = torch.arange(chunk.numel())[n_sink:]
+        k = torch.stack([layer.keys[0, :, n_sink:].float().cpu() for layer in cache.layers])  # [L, H, n, D]
+        v = torch.stack([layer.values[0, :, n_sink:].float().cpu() for layer in cache.layers])
+        keys.append(undo_rope(k, pos, inv_freq, scaling).transpose(1, 2))
+        values.append(v.transpose(1, 2))
+        taken += chunk.numel()
+    return torch.cat(keys, 1), torch.cat(values, 1)
+
+
+def _quantizer_tables(y: torch.Tensor, sigma: torch.Tensor):
+    """For coefficients ``y`` ``[N, D]``: per bit width, the best step ``[D]``, its squared error and rate."""
+    steps, errs, rates = [], [(y * y).mean(0)], [torch.zeros(y.shape[1])]
+    sample = y[torch.linspace(0, y.shape[0] - 1, min(_SEARCH_TOKENS, y.shape[0])).long()]
+    for bits in BITS[1:]:
+        m = max_level(bits)
+        grid = _STEP_GRID.view(-1, 1) * sigma.clamp_min(1e-12).view(1, -1) / m  # [G, D]
+        level = torch.full_like(grid[:, None], float(m))
+        recon = dequantize(quantize(sample[None], grid[:, None], level), grid[:, None], level)
+        best = ((recon - sample[None]) ** 2).mean(1).argmin(0)  # [D]
+        step = grid.gather(0, best.view(1, -1))[0]
+        if bits == BITS[-1]:  # the near-lossless width never clips what calibration saw, with a margin
+            step = torch.maximum(step, _MARGIN * y.abs().amax(0) / m)
+        codes = quantize(y, step, torch.tensor(float(m)))
+        errs.append(((dequantize(codes, step, torch.tensor(float(m))) - y) ** 2).mean(0))
+        counts = torch.zeros(y.shape[1], 2 * m + 1).scatter_add_(1, codes.T.long(), torch.ones(codes.T.shape))
+        p = counts / counts.sum(1, keepdim=True)
+        rates.append(-(p * torch.log2(p.clamp_min(1e-30))).sum(1))
+        steps.append(step)
+    return torch.stack(steps), torch.stack(errs), torch.stack(rates)
+
+
+def fit(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """PCA per layer, KV head and kind, with the quantizer tables (see the module docstring)."""
+    from sklearn.decomposition import PCA
+
+    n_layers, _, n_heads, d = keys.shape
+    out = {name: [] for name in ("basis", "mean", "variance", "step", "err", "rate")}
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            for x in (keys[layer, :, head], values[layer, :, head]):
+                pca = PCA(n_components=d, svd_solver="full").fit(x.double().numpy())
+                basis = torch.from_numpy(pca.components_).float()
+                mean = torch.from_numpy(pca.mean_).float()
+                y = (x - mean) @ basis.T
+                step, err, rate = _quantizer_tables(y, y.std(0))
+                for name, t in zip(out, (basis, mean, torch.from_numpy(pca.explained_variance_).float(),
+                                         step, err, rate)):
+                    out[name].append(t)
+    return {name: torch.stack(ts).view(n_layers, n_heads, 2, *ts[0].shape) for name, ts in out.items()}
+
+
+def calibrate(model, tokenizer, out: str | os.PathLike, text: str | None = None, tokens: int = 8192,
+              seq_len: int = 1024, n_sink: int = 4, source: str = "stdlib docstrings") -> Path:
+    """Fit and save a KVTC artifact for ``model``; returns its path."""
+    from safetensors.torch import save_file
+
+    text = text if text is not None else default_text(num_words=tokens * 2)
+    keys, values = collect(model, tokenizer, text, tokens, seq_len, n_sink)
+    tensors = fit(keys, values)
+    inv_freq, scaling = rotary(model)
+    tensors.update(inv_freq=inv_freq, probe=weight_probe(model))
+    meta = {"format": FORMAT, "version": str(VERSION), **{k: str(v) for k, v in model_identity(model).items()},
+            "attention_scaling": repr(scaling), "tokens": str(keys.shape[1]), "seq_len": str(seq_len),
+            "n_sink": str(n_sink), "data": source, "bits": ",".join(map(str, BITS))}
+    out = Path(out).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata=meta)
+    return out
+
+
+# -- loading -------------------------------------------------------------------------------------------------
+@dataclass
+class Calibration:
+    """A loaded artifact. basis ``[L, H, 2, D, D]`` (rows: components in variance order; index 2: keys,
+    values), mean/variance ``[L, H, 2, D]``, step ``[L, H, 2, 3, D]`` (2, 4, 8 bits), err/rate
+    ``[L, H, 2, 4, D]`` (0, 2, 4, 8 bits), inv_freq ``[D_rot / 2]``, probe ``[256]``."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, str]
+    path: str
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["tensors"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def attention_scaling(self) -> float:
+        return float(self.meta["attention_scaling"])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def check_model(self, model) -> None:
+        """Raise CompressorError when this artifact was calibrated on another model."""
+        ident = model_identity(model)
+        for key in ("num_layers", "num_kv_heads", "head_dim", "config_hash"):
+            if self.meta.get(key) != str(ident[key]):
+                raise CompressorError(
+                    f"The KVTC artifact {self.path} was calibrated on another model ({self.meta.get('model')}: "
+                    f"{key}={self.meta.get(key)}, this model has {ident[key]}). Calibrate this one with: "
+                    f"{CALIBRATE_COMMAND}"
+                )
+        if not torch.allclose(weight_probe(model), self.probe, rtol=1e-2, atol=1e-3):
+            raise CompressorError(
+                f"The KVTC artifact {self.path} was calibrated on a model with the same architecture but other "
+                f"weights ({self.meta.get('model')}). Calibrate this one with: {CALIBRATE_COMMAND}"
+            )
+
+
+def load_artifact(path: str | os.PathLike, model=None) -> Calibration:
+    """Read a KVTC artifact (checked against ``model`` when given)."""
+    from safetensors import safe_open
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CompressorError(f"No KVTC artifact at {path}. Create one with: {CALIBRATE_COMMAND}")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise CompressorError(f"{path} is not a KVTC artifact (format {meta.get('format')!r}).")
+        if meta.get("version") != str(VERSION):
+            raise CompressorError(
+                f"{path} is a version {meta.get('version')} KVTC artifact; this kvcomp reads version {VERSION}. "
+                f"Recalibrate with: {CALIBRATE_COMMAND}"
+            )
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    cal = Calibration(tensors, meta, str(path))
+    if model is not None:
+        cal.check_model(model)
+    return cal
+
+
+def allocation_budget(head_dim: int, dtype_bits: int, compression_factor: float) -> float:
+    """Coded bits per token, KV head and kind for a target factor over the uncompressed cache dtype."""
+    return head_dim * dtype_bits / compression_factor
+
+
+def allocate(cal: Calibration, layer: int, dtype_bits: int, compression_factor: float, group_size: int):
+    """``[H, 2, D]`` int bits per component of ``layer`` (keys and values of each KV head)."""
+    from kvcomp.transform_coding import allocate_bits
+
+    err, rate = cal.err[layer].numpy(), cal.rate[layer].numpy()  # [H, 2, 4, D]
+    budget = allocation_budget(err.shape[-1], dtype_bits, compression_factor)
+    bits = [[allocate_bits(err[h, kind], rate[h, kind], budget, group_size) for kind in range(2)]
+            for h in range(err.shape[0])]
+    return torch.from_numpy(np.array(bits))

@@ -1,0 +1,384 @@
+"""KVTC (transform coding): RoPE undo/redo, calibration artifacts, rate/distortion, coded bytes, decoding,
+composition, errors and the calibrate command. Fast tier on the tiny random Llama (calibrated once here)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from compressors import kvtc as kvtc_module
+from compressors.kvtc import KVTC
+from compressors.snapkv import SnapKV
+from kvcomp import Compose, CompressedCache, CompressorError, generate
+from kvcomp import kvtc_calibration as calibration
+from kvcomp import transform_coding as tc
+from kvcomp.attention import dense_attention
+from kvcomp.metrics import fidelity
+from kvcomp.models import tiny_config
+from tests.helpers import CONTEXTS, QUESTIONS
+from tests.test_compression import decode_steps, prefill
+
+
+def random_ids(n, seed):
+    return torch.randint(10, 40000, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, tmp_path_factory):
+    model, tokenizer = tiny
+    path = tmp_path_factory.mktemp("kvtc") / "tiny.safetensors"
+    return str(calibration.calibrate(model, tokenizer, path, tokens=2048, seq_len=512))
+
+
+def full_kv(model, ids):
+    cache = DynamicCache()
+    with torch.inference_mode():
+        out = model(input_ids=ids, cache=cache, use_cache=True)
+    return cache, out
+
+
+def relative_error(compressor, state, cache, layer):
+    keys, values, positions = compressor.materialize(state)
+    assert positions[0, 0].tolist() == list(range(keys.shape[2]))  # every token once, in order
+    ref_k, ref_v = cache.layers[layer].keys, cache.layers[layer].values
+    return float(((keys - ref_k) ** 2).sum() / (ref_k**2).sum()), float(((values - ref_v) ** 2).sum() / (ref_v**2).sum())
+
+
+# -- RoPE ----------------------------------------------------------------------------------------------------
+def test_rope_undo_redo_is_exact_and_matches_the_model(tiny):
+    model, _ = tiny
+    inv_freq, scaling = calibration.rotary(model)
+    x = torch.randn(2, 3, 50, 16, generator=torch.Generator().manual_seed(0))
+    positions = torch.randint(0, 8000, (2, 3, 50), generator=torch.Generator().manual_seed(1))
+    for s in (scaling, 1.3):
+        torch.testing.assert_close(tc.undo_rope(tc.apply_rope(x, positions, inv_freq, s), positions, inv_freq, s), x,
+                                   rtol=0, atol=1e-5)
+    # Same rotation as the model's own rotary embedding and apply_rotary_pos_emb.
+    pos = torch.arange(0, 4000, 37).view(1, -1)
+    cos, sin = model.model.rotary_emb(x, pos)
+    k = torch.randn(1, 2, pos.shape[1], 16, generator=torch.Generator().manual_seed(2))
+    _, expected = apply_rotary_pos_emb(k, k, cos, sin)
+    torch.testing.assert_close(tc.apply_rope(k, pos.view(1, 1, -1), inv_freq, scaling), expected, rtol=0, atol=1e-5)
+    # Undoing RoPE on the keys transformers caches gives the key projection's output.
+    captured = []
+    hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, o: captured.append(o))
+    ids = random_ids(300, 3)
+    try:
+        cache, _ = full_kv(model, ids)
+    finally:
+        hook.remove()
+    pre = captured[0].view(1, 300, 2, 16).transpose(1, 2)
+    undone = tc.undo_rope(cache.layers[1].keys, torch.arange(300).view(1, 1, -1), inv_freq, scaling)
+    torch.testing.assert_close(undone, pre, rtol=0, atol=1e-4)
+
+
+# -- artifacts -----------------------------------------------------------------------------------------------
+def test_artifact_round_trips_and_rejects_another_model(tiny, artifact):
+    model, _ = tiny
+    cal = calibration.load_artifact(artifact, model)
+    assert cal.meta["format"] == "kvcomp-kvtc" and cal.meta["version"] == "1"
+    assert (cal.meta["num_layers"], cal.meta["num_kv_heads"], cal.meta["head_dim"]) == ("2", "2", "16")
+    assert cal.basis.shape == (2, 2, 2, 16, 16) and cal.step.shape == (2, 2, 2, 3, 16)
+    basis = cal.basis[1, 0, 0]  # orthonormal rows, variance order
+    torch.testing.assert_close(basis @ basis.T, torch.eye(16), rtol=0, atol=1e-5)
+    assert bool((cal.variance[..., :-1] >= cal.variance[..., 1:]).all())
+    assert bool((cal.err[..., 1:, :] <= cal.err[..., :-1, :]).all())  # more bits, less error
+    assert bool((cal.rate[..., 1:, :] >= cal.rate[..., :-1, :]).all())
+    inv_freq, _ = calibration.rotary(model)
+    assert torch.equal(cal.inv_freq, inv_freq)
+
+    torch.manual_seed(0)
+    deeper = LlamaForCausalLM(tiny_config(num_hidden_layers=3))
+    with pytest.raises(CompressorError, match="calibrated on another model.*num_layers=2.*kvcomp calibrate kvtc"):
+        calibration.load_artifact(artifact, deeper)
+    torch.manual_seed(1)
+    retrained = LlamaForCausalLM(tiny_config())
+    with pytest.raises(CompressorError, match="same architecture but other weights"):
+        CompressedCache(retrained, KVTC(artifact=artifact))
+    CompressedCache(model, KVTC(artifact=artifact))  # the right model binds
+    # Another dtype of the same model is the same model.
+    from kvcomp import load_model
+
+    calibration.load_artifact(artifact, load_model("tiny", dtype=torch.bfloat16)[0])
+
+
+def test_uncalibrated_kvtc_is_a_clear_error(tiny, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    with pytest.raises(CompressorError, match="No KVTC artifact at .*kvcomp calibrate kvtc"):
+        KVTC(artifact=str(tmp_path / "missing.safetensors"))
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path))
+    with pytest.raises(CompressorError, match="kvcomp calibrate kvtc --model"):
+        generate(model, tokenizer, CONTEXTS[2], QUESTIONS[2], compressor=KVTC(), max_new_tokens=2)
+    with pytest.raises(CompressorError, match="kvcomp calibrate kvtc"):
+        KVTC().prefill(0, None, torch.zeros(1, 2, 300, 16), torch.zeros(1, 2, 300, 16),
+                       _ctx(torch.arange(300).view(1, 1, -1).expand(1, 2, 300)))
+    assert KVTC.capabilities.needs_calibration
+    # The default path is used when it exists.
+    path = calibration.default_artifact_path(model)
+    calibration.calibrate(model, tokenizer, path, tokens=600, seq_len=300)
+    result = generate(model, tokenizer, CONTEXTS[2], QUESTIONS[2], compressor=KVTC(window=8, block_size=8),
+                      max_new_tokens=2)
+    assert result.memory_factor > 1
+
+
+def _ctx(positions, query_positions=None):
+    from kvcomp import LayerContext
+
+    b, _, n = positions.shape
+    query_positions = positions[:, 0] if query_positions is None else query_positions
+    return LayerContext(layer=0, positions=positions, query_positions=query_positions, seen=torch.full((b,), n),
+                        query_valid=torch.ones(b, n, dtype=torch.bool), scaling=0.25, n_groups=2)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"compression_factor": 0.5}, "compression_factor"),
+                                          ({"block_size": 0}, "block_size"), ({"window": -1}, "window"),
+                                          ({"n_sink": 1.5}, "n_sink")])
+def test_bad_parameters_are_clear_errors(kwargs, match, artifact):
+    with pytest.raises(CompressorError, match=match):
+        KVTC(artifact=artifact, **kwargs)
+
+
+# -- bit allocation ------------------------------------------------------------------------------------------
+def test_dp_allocation_is_optimal_on_a_small_case():
+    # err[bits index, component]: components in variance order.
+    err = np.array([[8.0, 4.0, 2.0, 1.0], [2.0, 1.0, 0.6, 0.3], [0.5, 0.3, 0.1, 0.05], [0.01, 0.005, 0.002, 0.001]])
+    rate = np.array([[0.0] * 4, [1.5] * 4, [3.0] * 4, [6.0] * 4])
+    import itertools
+
+    for budget in (0, 2, 5, 9, 12, 30):
+        bits = tc.allocate_bits(err, rate, budget, group_size=1)
+        assert (rate[[tc.BITS.index(b) for b in bits], range(4)]).sum() <= budget + 1e-9
+        best = min((sum(err[j, i] for i, j in enumerate(c)), c) for c in itertools.product(range(4), repeat=4)
+                   if sum(rate[j, i] for i, j in enumerate(c)) <= budget)
+        assert sum(err[tc.BITS.index(b), i] for i, b in enumerate(bits)) == pytest.approx(best[0])
+    assert tc.allocate_bits(err, rate, 1000, group_size=2).tolist() == [8, 8, 8, 8]
+    assert tc.allocate_bits(err, rate, 0, group_size=2).tolist() == [0, 0, 0, 0]
+
+
+# -- rate and distortion -------------------------------------------------------------------------------------
+def test_reconstruction_error_falls_as_the_budget_rises(tiny, artifact):
+    model, _ = tiny
+    ids = random_ids(400, 4)
+    reference, _ = full_kv(model, ids)
+    errors, factors = [], []
+    for factor in (32, 16, 8, 4):
+        compressor = KVTC(compression_factor=factor, artifact=artifact, window=16, block_size=32)
+        cache, _ = prefill(model, ids, compressor)
+        errors.append(relative_error(compressor, cache.layers[1].state, reference, 1))
+        factors.append(cache.memory_factor())
+    assert all(a[0] > b[0] and a[1] > b[1] for a, b in zip(errors, errors[1:])), errors
+    assert factors == sorted(factors, reverse=True) and factors[0] > 2 * factors[-1]
+    assert errors[-1][0] < 1e-3 and errors[0][0] > 0.1
+
+
+def test_nbytes_is_the_bytes_that_exist(tiny, artifact):
+    model, _ = tiny
+    n, window, block = 300, 16, 32
+    compressor = KVTC(compression_factor=8, artifact=artifact, window=window, block_size=block)
+    cache, _ = prefill(model, random_ids(n, 5), compressor)
+    n_coded = (n - 4 - window) // block * block
+    total = 0
+    for layer in cache.layers:
+        state = layer.state
+        frames = [f for row in state.blocks for head in row for f in head]
+        assert all(isinstance(f, bytes) for f in frames) and len(frames) == 2 * n_coded // block
+        assert state.coded_tokens.tolist() == [[n_coded, n_coded]]
+        dense = [state.sinks.keys, state.sinks.values, state.sinks.positions, state.window.keys,
+                 state.window.values, state.window.positions, state.coded_tokens]
+        expected = sum(len(f) for f in frames) + sum(t.numel() * t.element_size() for t in dense)
+        assert compressor.nbytes(state) == {"device": expected, "host": 0, "disk": 0}
+        assert state.window.positions.shape[-1] == n - 4 - n_coded and state.sinks.positions.shape[-1] == 4
+        assert compressor.stored_tokens(state).tolist() == [[n, n]]
+        total += expected
+    assert cache.resident_bytes()["device"] == total
+    assert compressor.basis_bytes() == sum(t.numel() * t.element_size() for t in compressor.calibration.tensors.values())
+
+
+def test_entropy_coding_beats_the_raw_quantized_size(tiny, artifact):
+    model, _ = tiny
+    compressor = KVTC(compression_factor=4, artifact=artifact, window=0, n_sink=0, block_size=64)
+    cache, _ = prefill(model, random_ids(512, 6), compressor)
+    for i, layer in enumerate(cache.layers):
+        bits = compressor.codec(i, torch.float32)["bits"]  # [H, 2, D]
+        raw = int(layer.state.coded_tokens[0, 0]) * (int(bits.sum()) // 8 + 4 * bits.shape[0])  # codes + int32 pos
+        assert layer.state.coded_bytes() < 0.95 * raw
+
+
+# -- decoding ------------------------------------------------------------------------------------------------
+def test_blockwise_attend_equals_dense_attention_on_materialized_cache(tiny, artifact, monkeypatch):
+    model, _ = tiny
+    monkeypatch.setattr(kvtc_module, "_DECODE_TOKENS", 32)
+    compressor = KVTC(compression_factor=8, artifact=artifact, window=16, block_size=16)
+    cache, _ = prefill(model, random_ids(200, 7), compressor)
+    state = cache.layers[0].state
+    q = torch.randn(1, 4, 3, 16, generator=torch.Generator().manual_seed(0))
+    q_pos = torch.tensor([[60, 190, 205]])
+    out = compressor.attend(0, state, q, _ctx(torch.zeros(1, 2, 3, dtype=torch.long), q_pos))
+    keys, values, positions = compressor.materialize(state)
+    expected, _ = dense_attention(q, keys, values, q_pos, positions, 0.25)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+def test_decoding_reconstructs_one_chunk_at_a_time(tiny, artifact, monkeypatch):
+    model, _ = tiny
+    monkeypatch.setattr(kvtc_module, "_DECODE_TOKENS", 64)
+    compressor = KVTC(compression_factor=8, artifact=artifact, window=16, block_size=16)
+    cache, out = prefill(model, random_ids(250, 8), compressor)
+    chunks = []
+    original = compressor._decoded_chunks
+
+    def spy(*args, **kwargs):
+        for k, v, p in original(*args, **kwargs):
+            chunks.append(k.shape[2])
+            yield k, v, p
+
+    monkeypatch.setattr(compressor, "_decoded_chunks", spy)
+    monkeypatch.setattr(KVTC, "materialize", lambda self, state: pytest.fail("decoding materialized the cache"))
+    for step, c in enumerate(decode_steps(model, cache, out, 40)):
+        for layer in c.layers:
+            assert int(layer.state.window.valid.sum(-1).max()) < 16 + 16
+            assert layer.compressor.stored_tokens(layer.state).tolist() == [[251 + step] * 2]
+    assert max(chunks) == 64
+    assert int(cache.layers[0].state.coded_tokens[0, 0]) == (290 - 4 - 16) // 16 * 16  # blocks flushed on the way
+
+
+def test_high_budget_matches_uncompressed_decoding(tiny, tiny_reference, artifact):
+    model, tokenizer = tiny
+    ids = random_ids(300, 9)
+    with torch.inference_mode():
+        full = tiny_reference[0](input_ids=ids).logits[0, -1]
+    errors = {}
+    for factor in (1, 16):
+        cache, _ = prefill(model, ids[:, :-1], KVTC(compression_factor=factor, artifact=artifact, window=16,
+                                                    block_size=32))
+        with torch.inference_mode():
+            logits = model(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits[0, -1]
+        errors[factor] = float((logits - full).abs().max() / full.abs().max())
+        if factor == 1:
+            assert all(bool((layer.compressor.codec(i, torch.float32)["bits"] == 8).all())
+                       for i, layer in enumerate(cache.layers))
+    # The random tiny model amplifies K/V errors (its weights are large on purpose); on it 8-bit KIVI is ~0.02.
+    assert errors[1] < 0.08 and errors[1] < errors[16] / 4, errors
+    reference = generate(model, tokenizer, CONTEXTS[0], QUESTIONS[0], max_new_tokens=16)
+    compressor = KVTC(compression_factor=1, artifact=artifact, window=16, block_size=16)
+    result = generate(model, tokenizer, CONTEXTS[0], QUESTIONS[0], compressor=compressor, max_new_tokens=16)
+    fid = fidelity(result.token_ids[0], reference.token_ids[0])
+    assert fid.agreement >= 0.6 and (fid.first_divergence is None or fid.first_divergence >= 8), fid
+    assert result.memory_factor > 1.5
+
+
+def test_batch_rows_are_coded_independently(tiny64, tmp_path):
+    model, tokenizer = tiny64
+    path = calibration.calibrate(model, tokenizer, tmp_path / "a.safetensors", tokens=600, seq_len=300)
+    compressor = KVTC(compression_factor=4, artifact=str(path), window=8, block_size=8)
+    batched = generate(model, tokenizer, CONTEXTS, QUESTIONS, compressor=compressor, max_new_tokens=8)
+    for i, (c, q) in enumerate(zip(CONTEXTS, QUESTIONS)):
+        alone = generate(model, tokenizer, c, q, compressor=compressor, max_new_tokens=8)
+        assert batched.token_ids[i] == alone.token_ids[0], f"row {i} differs"
+
+
+# -- composition ---------------------------------------------------------------------------------------------
+def test_compose_with_snapkv_multiplies_memory_factor(tiny, artifact):
+    model, tokenizer = tiny
+    ids = random_ids(512, 10)
+    kw = dict(compression_factor=8, artifact=artifact, window=0, n_sink=0, block_size=16)
+    alone, _ = prefill(model, ids, KVTC(**kw))
+    composed, _ = prefill(model, ids, Compose(SnapKV(compression_ratio=0.5), KVTC(**kw)))
+    assert all(k.tolist() == [[256, 256]] for k in composed.kept_tokens())
+    # Half the tokens, coded at the same rate (positions are no longer contiguous, so a little more).
+    assert composed.memory_factor() == pytest.approx(2 * alone.memory_factor(), rel=0.12)
+    state = composed.layers[0].state
+    _, _, positions = composed.compressor.materialize(state)
+    assert not torch.equal(positions[0, 0], positions[0, 1])  # each KV head keeps its own tokens
+    # Through generate, query-aware and agnostic, with flushes while decoding.
+    for query_aware in (False, True):
+        compressor = Compose(SnapKV(compression_ratio=0.5), KVTC(compression_factor=8, artifact=artifact,
+                                                                  window=8, block_size=8))
+        result = generate(model, tokenizer, CONTEXTS[0], QUESTIONS[0], compressor=compressor,
+                          query_aware=query_aware, max_new_tokens=8)
+        assert result.memory_factor > 2 * 2 and len(result.token_ids[0]) > 0
+        assert compressor.capabilities.needs_calibration
+
+
+# -- CLI -----------------------------------------------------------------------------------------------------
+def test_calibrate_cli_on_the_tiny_model(tmp_path, capsys):
+    from experiments.cli import main
+
+    out = tmp_path / "tiny-kvtc.safetensors"
+    assert main(["calibrate", "kvtc", "--model", "tiny", "--out", str(out), "--tokens", "600",
+                 "--seq-len", "300"]) == 0
+    assert str(out) in capsys.readouterr().out
+    from kvcomp import load_model
+
+    cal = calibration.load_artifact(out, load_model("tiny")[0])
+    assert cal.meta["tokens"] == str(600 - 2 * 4)
+    data = tmp_path / "text.txt"
+    data.write_text(CONTEXTS[0] * 20)
+    assert main(["calibrate", "kvtc", "--model", "tiny", "--data", str(data), "--out", str(out), "--tokens", "400",
+                 "--seq-len", "200"]) == 0
+    assert calibration.load_artifact(out).meta["data"] == str(data)
+
+
+def test_hydra_config_builds_kvtc(monkeypatch, artifact):
+    import yaml
+
+    from experiments import schema
+    from experiments.run import build_compressor
+    from kvcomp import registry
+    from tests.test_experiments import CONF, TINY_TASK, compose
+
+    # The entry point only exists once the package is reinstalled; register the class for this test.
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    registry.register("kvtc", KVTC)
+    schema.register_configs()
+    raw = yaml.safe_load((CONF / "compressor" / "kvtc.yaml").read_text())
+    assert set(raw) - {"defaults"} == {f.name for f in dataclasses.fields(KVTC)} | {"_target_"}
+    assert build_compressor(compose([*TINY_TASK, "compressor=kvtc"])) == KVTC()
+    built = build_compressor(compose([*TINY_TASK, "compressor=kvtc", "compressor.compression_factor=16",
+                                      f"compressor.artifact={artifact}"]))
+    assert built.compression_factor == 16 and built.calibration.path == artifact
+
+
+@pytest.mark.real
+def test_real_kv_codes_below_raw_size_and_near_the_target(embedded, tmp_path):
+    """A few hundred tokens of the embedded model's K/V, calibrated on 2K tokens of stdlib prose."""
+    from eval.ruler.haystack import essay_words
+
+    model, tokenizer = embedded
+    path = calibration.calibrate(model, tokenizer, tmp_path / "smollm2.safetensors", tokens=2048)
+    ids = tokenizer(" ".join(essay_words(600)), return_tensors="pt")["input_ids"][:, :512]
+    reference, _ = full_kv(model, ids)
+    errors = []
+    for factor in (16, 8):
+        compressor = KVTC(compression_factor=factor, artifact=str(path), window=0, n_sink=0, block_size=64)
+        cache, _ = prefill(model, ids, compressor)
+        coded = raw = 0
+        for i, layer in enumerate(cache.layers):
+            bits = compressor.codec(i, torch.float32)["bits"]  # [H, 2, D]
+            coded += layer.state.coded_bytes()
+            raw += 512 * (int(bits.sum()) // 8 + 4 * bits.shape[0])  # packed codes + int32 positions
+        assert coded < 0.9 * raw
+        assert 0.7 * factor < cache.memory_factor() < 1.3 * factor  # entropy-coded rate near the DP's target
+        errors.append(relative_error(compressor, cache.layers[15].state, reference, 15))
+    assert errors[1][0] < errors[0][0] and errors[1][1] < errors[0][1]
+
+
+def test_rate_distortion_benchmark_writes_its_table(tiny, artifact, tmp_path):
+    import csv
+
+    from experiments.rate_distortion import COLUMNS, rate_distortion
+
+    model, tokenizer = tiny
+    rows = rate_distortion(model, tokenizer, tasks=["niah_single_1"], length=384, samples=1, out_dir=tmp_path,
+                           artifact=artifact, quant_bits=[4], kvtc_factors=[8], progress=False)
+    with open(tmp_path / "L384" / "rate_distortion-L384-agnostic.csv") as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == COLUMNS
+    assert [(r["task"], r["method"], r["setting"]) for r in table] == [
+        ("niah_single_1", "none", "-"), ("niah_single_1", "quant", "bits=4"), ("niah_single_1", "kvtc", "factor=8"),
+        ("all", "none", "-"), ("all", "quant", "bits=4"), ("all", "kvtc", "factor=8")]
+    assert float(table[0]["memory_factor"]) == 1.0 and float(table[2]["memory_factor"]) > 1.5
+    assert rows[2]["agreement"] is not None and rows[2]["n"] == 1
