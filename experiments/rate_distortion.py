@@ -3,11 +3,13 @@
 
     python -m experiments.rate_distortion --length 4096 --samples 20 --out runs/rate_distortion
 
-Every (task, method) run is a resumable JSONL file of ``eval.runner`` records under ``--out``; the
-uncompressed reference is shared, so fidelity (exact match, agreement, first divergence) is computed once.
-``rate_distortion-L<length>.csv`` holds one row per task and method plus an ``all`` row per method (every
-record of the method pooled): score, measured memory_factor, fidelity, prefill/decode seconds per sample and
-the wall seconds of the whole run. KVTC uses ``--artifact``, else the model's default artifact, calibrating it
+Each task runs through :func:`eval.runner.run_grid`: one prefill per sample shared by every method, one
+resumable run directory per method under ``--out/L<length>/<task>/<mode>/``, and the uncompressed reference
+shared, so fidelity (exact match, agreement, first divergence) is computed once.
+``rate_distortion-L<length>-<mode>.csv`` holds one row per task and method plus an ``all`` row per method
+(every record of the method pooled): score, measured memory_factor, fidelity, and seconds per sample:
+``prefill_s`` (the shared prefill plus the method's own compression), ``compress_s`` (compression alone) and
+``decode_s``. KVTC uses ``--artifact``, else the model's default artifact, calibrating it
 first when it does not exist (``--calibration-tokens`` tokens of the default offline text).
 """
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from compressors.kvtc import KVTC
 from compressors.quant import Quant
-from eval.runner import load_records, load_samples, run, summarize
+from eval.runner import load_records, load_samples, run_grid, summarize
 from kvcomp import kvtc_calibration as calibration
 from kvcomp import load_model
 
@@ -28,7 +30,7 @@ TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
 QUANT_BITS = (8, 4, 2)
 KVTC_FACTORS = (4, 8, 16)
 COLUMNS = ["task", "method", "setting", "score", "memory_factor", "exact_match", "agreement", "first_divergence",
-           "prefill_s", "decode_s", "wall_s", "n", "context_tokens"]
+           "prefill_s", "compress_s", "decode_s", "n", "context_tokens"]
 
 
 def configs(artifact: str, quant_bits=QUANT_BITS, kvtc_factors=KVTC_FACTORS):
@@ -49,12 +51,14 @@ def ensure_artifact(model, tokenizer, artifact: str | None, tokens: int) -> str:
     return str(path)
 
 
-def _row(task: str, method: str, setting: str, records: list[dict], wall: float) -> dict:
+def _row(task: str, method: str, setting: str, records: list[dict]) -> dict:
     s = summarize(records)
+    compress = [r["compress_seconds"] for r in records if r.get("compress_seconds") is not None]
     return {"task": task, "method": method, "setting": setting, "score": s["score"],
             "memory_factor": s["memory_factor"], "exact_match": s["exact_match_rate"], "agreement": s["agreement"],
             "first_divergence": s["mean_first_divergence"], "prefill_s": s["prefill_seconds"],
-            "decode_s": s["decode_seconds"], "wall_s": wall, "n": s["n"], "context_tokens": s["context_length"]}
+            "compress_s": sum(compress) / len(compress) if compress else None,
+            "decode_s": s["decode_seconds"], "n": s["n"], "context_tokens": s["context_length"]}
 
 
 def rate_distortion(model, tokenizer, *, tasks=TASKS, length: int = 4096, samples: int = 20,
@@ -67,20 +71,19 @@ def rate_distortion(model, tokenizer, *, tasks=TASKS, length: int = 4096, sample
     rows, pooled = [], {}
     for task in tasks:
         bench = load_samples(f"ruler/{task}", tokenizer, length=length, num_samples=samples, seed=0)
+        grid = {}
         for method, setting, compressor in configs(artifact, quant_bits, kvtc_factors):
-            label = method if compressor is None else f"{method}-{setting.replace('=', '')}"
-            path = out_dir / task / f"{label}-{mode}.jsonl"
-            t0 = time.perf_counter()
-            list(run(model, tokenizer, bench, compressor, query_aware=query_aware, out_path=path,
-                     reference=out_dir / task / "reference.jsonl", progress=progress))
-            wall = time.perf_counter() - t0
-            records = load_records(path)
-            rows.append(_row(task, method, setting, records, wall))
-            entry = pooled.setdefault((method, setting), ([], 0.0))
-            pooled[(method, setting)] = (entry[0] + records, entry[1] + wall)
+            grid[method if compressor is None else f"{method}-{setting.replace('=', '')}"] = (method, setting, compressor)
+        run_dir = out_dir / task / mode
+        run_grid(model, tokenizer, bench, {label: c for label, (_, _, c) in grid.items()}, query_aware=query_aware,
+                 out_dir=run_dir, progress=progress)
+        for label, (method, setting, _) in grid.items():
+            records = load_records(run_dir / label / "results.jsonl")
+            rows.append(_row(task, method, setting, records))
+            pooled.setdefault((method, setting), []).extend(records)
             print({k: rows[-1][k] for k in ("task", "method", "setting", "score", "memory_factor", "agreement")},
                   flush=True)
-    rows += [_row("all", m, s, recs, wall) for (m, s), (recs, wall) in pooled.items()]
+    rows += [_row("all", m, s, recs) for (m, s), recs in pooled.items()]
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / f"rate_distortion-L{length}-{mode}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
