@@ -4,9 +4,9 @@
 operation              torch (CPU and the reference)               Triton (CUDA)
 =====================  ==========================================  ==========================================
 pack / unpack          :mod:`quant_ref`                            :mod:`quant_triton`
-quant_attention        :mod:`quant_cpu` (vectorised, blockwise);    :mod:`quant_triton` (fused dequantize,
-                       :mod:`quant_ref` is the readable spec        online softmax, split-K, one program per
-                                                                    GQA group)
+quant_attention        :mod:`cpu_native` (fused C, float32) or      :mod:`quant_triton` (fused dequantize,
+                       :mod:`quant_cpu` (vectorised torch);         online softmax, split-K, one program per
+                       :mod:`quant_ref` is the readable spec        GQA group)
 sparse_attention       :mod:`sparse_ref`                           :mod:`sparse_triton`
 page_scores            :mod:`retrieval_ref`                        :mod:`retrieval_triton`
 quant_key_scores       :mod:`retrieval_ref`                        :mod:`retrieval_triton`
@@ -87,8 +87,17 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quant_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """See :func:`kvcomp.kernels.quant_ref.quant_attention`."""
-    return _impl("quant", "quant_attention", q)(q, *args, **kwargs)
+    """See :func:`kvcomp.kernels.quant_ref.quant_attention`. On the CPU, float32 goes to the fused C kernel of
+    :mod:`cpu_native` when it compiles (``KVCOMP_NATIVE=0`` turns it off), everything else to
+    :mod:`quant_cpu`."""
+    impl = _impl("quant", "quant_attention", q)
+    if backend_for(q) == "torch":
+        from kvcomp.kernels import cpu_native
+
+        # args: q_pos, key codes, scale, zero, value codes, scale, zero, positions, residual k, v, pos, bits
+        if cpu_native.supports(q, args[5], args[11] if len(args) > 11 else kwargs["bits"], args[2], args[9]):
+            impl = cpu_native.quant_attention
+    return impl(q, *args, **kwargs)
 
 
 def sparse_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:

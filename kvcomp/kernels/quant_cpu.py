@@ -34,7 +34,8 @@ def workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     key = (torch.device(device), dtype)
     buf = _workspace.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: writable both inside and outside inference mode
+            buf = torch.empty(numel, dtype=dtype, device=device)
         _workspace[key] = buf
     return buf[:numel]
 
@@ -45,6 +46,21 @@ def plane_order(head_dim: int, bits: int, device=None) -> torch.Tensor:
     per_byte = 8 // bits
     width = head_dim // per_byte
     return (torch.arange(width, device=device) * per_byte + torch.arange(per_byte, device=device).view(-1, 1)).flatten()
+
+
+_orders: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _plane_indices(head_dim: int, bits: int, channels: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(plane order, its inverse, value channel group of each plane-major column), cached per shape."""
+    key = (head_dim, bits, channels, torch.device(device))
+    if key not in _orders:
+        with torch.inference_mode(False):
+            order = plane_order(head_dim, bits, device)
+            restore = torch.empty_like(order)
+            restore[order] = torch.arange(head_dim, device=device)
+            _orders[key] = (order, restore, order // channels)
+    return _orders[key]
 
 
 def unpack_planes(packed: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
@@ -92,15 +108,13 @@ def quant_attention(
     cdt = _compute_dtype(q.dtype)
     q_pos = q_pos.long()
     qg = q.reshape(b, h, g * n, d).to(cdt)
-    k_pos = torch.cat([positions.flatten(2), residual_positions], dim=2)  # [B, H, L + R]
 
     per_block = max(1, block_tokens // group)
-    order = plane_order(d, bits, q.device)
-    channels = d // value_scale.shape[-1]
-    value_group = (order // channels).view(1, 1, 1, 1, d)  # channel group of each plane-major column
-    ks = key_scale[..., order].to(cdt).unsqueeze(3)  # [B, H, N, 1, D]
-    kz = key_zero[..., order].to(cdt).unsqueeze(3)
-    q_planes = qg[..., order]
+    n_value_groups = value_scale.shape[-1]
+    order, restore, column_group = _plane_indices(d, bits, d // n_value_groups, q.device)
+    ks = key_scale.index_select(-1, order).to(cdt).unsqueeze(3)  # [B, H, N, 1, D]
+    kz = key_zero.index_select(-1, order).to(cdt).unsqueeze(3)
+    q_planes = qg.index_select(-1, order)
 
     # Pass 1: logits of every quantized block, then of the residual window.
     logits = []
@@ -116,6 +130,7 @@ def quant_attention(
     logits = logits.mul_(scaling).view(b, h, g, n, -1)
 
     # Mask by positions; a query that sees no key sees every slot (as the reference does).
+    k_pos = torch.cat([positions.flatten(2), residual_positions], dim=2)  # [B, H, L + R]
     if b > 1 or int(k_pos.max()) > int(q_pos.min()):
         allowed = k_pos[:, :, None, :] <= q_pos[:, None, :, None]  # [B, H, n, L + R]
         allowed = allowed | ~allowed.any(-1, keepdim=True)
@@ -123,7 +138,6 @@ def quant_attention(
     probs = logits.softmax(-1).view(b, h, g * n, -1)
 
     # Pass 2: values. Per channel group c: p @ (codes * s_c + z_c) = (p * s_c) @ codes + p @ z_c.
-    n_value_groups = value_scale.shape[-1]
     out = torch.zeros(b, h, g * n, d, dtype=cdt, device=q.device)
     for start in range(0, n_groups, per_block):
         stop = min(n_groups, start + per_block)
@@ -133,13 +147,14 @@ def quant_attention(
         p = probs[..., t0:t1]  # [B, H, M, T]
         vs = value_scale[:, :, start:stop].flatten(2, 3).to(cdt)  # [B, H, T, C]
         vz = value_zero[:, :, start:stop].flatten(2, 3).to(cdt)
+        if n_value_groups == 1:
+            out.add_(torch.matmul(p * vs.transpose(-1, -2), block)).add_(torch.matmul(p, vz))
+            continue
         scaled = (p.unsqueeze(-2) * vs.transpose(-1, -2).unsqueeze(2)).flatten(2, 3)  # [B, H, M * C, T]
         per_group = torch.matmul(scaled, block).view(b, h, g * n, n_value_groups, d)
-        out += per_group.gather(3, value_group.expand(b, h, g * n, 1, d)).squeeze(3)
-        out += torch.matmul(p, vz)[..., order // channels]
-    restore = torch.empty_like(order)
-    restore[order] = torch.arange(d, device=q.device)
-    out = out[..., restore]  # back to the original channel order
+        out += per_group.gather(3, column_group.view(1, 1, 1, 1, d).expand(b, h, g * n, 1, d)).squeeze(3)
+        out += torch.matmul(p, vz).index_select(-1, column_group)
+    out = out.index_select(-1, restore)  # back to the original channel order
     n_quant = n_groups * group
     if residual_positions.shape[-1]:
         out += torch.matmul(probs[..., n_quant:], residual_values.to(cdt))
