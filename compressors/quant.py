@@ -36,8 +36,8 @@ from typing import ClassVar
 
 import torch
 
-from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
 from kvcomp import kernels
+from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
 from kvcomp.kernels import quant_ref
 from kvcomp.selection import TokenStore, compact
 

@@ -14,7 +14,7 @@ import torch
 from kvcomp import kernels
 from kvcomp.attention import dense_attention
 from kvcomp.compressor import SENTINEL
-from kvcomp.kernels import quant_cpu, quant_ref, retrieval_ref, sparse_ref
+from kvcomp.kernels import cpu_native, quant_cpu, quant_ref, retrieval_ref, sparse_ref
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -231,16 +231,55 @@ def test_dispatcher_picks_torch_on_cpu_and_triton_when_forced(monkeypatch):
     assert kernels._impl("quant", "quant_attention", cpu) is quant_cpu.quant_attention
     assert kernels._impl("sparse", "sparse_attention", cpu) is sparse_ref.sparse_attention
     assert kernels._impl("retrieval", "page_scores", cpu) is retrieval_ref.page_scores
-    with kernels.use_backend("triton"):
-        assert kernels._impl("quant", "pack", cpu) is quant_triton.pack
-        args = sparse_case(3, torch.float32, 2)
-        torch.testing.assert_close(kernels.sparse_attention(*args), sparse_ref.sparse_attention(*args),
-                                   rtol=0, atol=1e-4)
+    if DEVICE == "cuda":
+        assert kernels.backend_for(torch.zeros(1, device="cuda")) == "triton"
+    else:
+        with kernels.use_backend("triton"):
+            assert kernels._impl("quant", "pack", cpu) is quant_triton.pack
+            args = sparse_case(3, torch.float32, 2)
+            torch.testing.assert_close(kernels.sparse_attention(*args), sparse_ref.sparse_attention(*args),
+                                       rtol=0, atol=1e-4)
     monkeypatch.setenv("KVCOMP_KERNELS", "torch")
     assert kernels.backend_for(cpu) == "torch"
     monkeypatch.setenv("KVCOMP_KERNELS", "cuda")
     with pytest.raises(ValueError, match="KVCOMP_KERNELS"):
         kernels.backend_for(cpu)
+
+
+def test_dispatcher_sends_float32_cpu_quant_attention_to_the_native_kernel(monkeypatch):
+    args = quant_case(4, 3, torch.float32)
+    if DEVICE != "cpu" or not cpu_native.supports(args[0], args[6], 4, args[3]):
+        pytest.skip("no C compiler (the torch path is used)")
+    calls = []
+    native = cpu_native.quant_attention
+    monkeypatch.setattr(cpu_native, "quant_attention", lambda *a, **k: calls.append(1) or native(*a, **k))
+    out = kernels.quant_attention(*args)
+    assert calls == [1]
+    torch.testing.assert_close(out, quant_ref.quant_attention(*args), rtol=0, atol=1e-5)
+    monkeypatch.setenv("KVCOMP_NATIVE", "0")
+    kernels.quant_attention(*args)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("bits,gqa,d,residual", [(4, 3, 24, 6), (2, 4, 16, 0), (8, 1, 24, 5)])
+def test_native_cpu_quant_attention_matches_reference(bits, gqa, d, residual):
+    if DEVICE != "cpu" or cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    args = quant_case(bits, gqa, torch.float32, d=d, residual=residual, seed=11)
+    torch.testing.assert_close(cpu_native.quant_attention(*args), quant_ref.quant_attention(*args),
+                               rtol=0, atol=1e-5)
+
+
+def test_kernel_benchmark_script_runs_at_tiny_size(tmp_path):
+    from experiments import kernel_bench
+
+    assert kernel_bench.main(["--tiny", "--out", str(tmp_path)]) == 0
+    import json
+
+    result = json.loads((tmp_path / "kernel_bench.json").read_text())
+    kinds = {row["kernel"] for row in result["rows"]}
+    assert kinds == {"quant4-ieee", "quant4-tf32", "sparse-1/4", "dense-sdpa-bf16"}
+    assert all(row["max_abs_err"] < 0.05 and row["gb_s"] > 0 for row in result["rows"])
 
 
 def test_forcing_triton_without_cuda_or_interpreter_is_a_clear_error(monkeypatch):

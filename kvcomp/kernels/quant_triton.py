@@ -21,6 +21,9 @@ from kvcomp.kernels.quant_ref import BITS
 
 MIN_SPLIT_TOKENS = 256  # fewest tokens one program walks; tests lower it to exercise many splits
 TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H100/H200
+# Precision of tl.dot on float32 operands: "ieee" matches the reference to float32 rounding; "tf32" uses tensor
+# cores on the GPU (10-bit mantissa, far finer than 2-8-bit codes). Read at each call.
+DOT_PRECISION = "ieee"
 
 
 @triton.jit
@@ -96,7 +99,7 @@ def _quant_attention_kernel(
     o_ptr, m_ptr, l_ptr,
     H, M, NQ, L, NG, R, D, J, n_splits, split_tokens, scaling,
     GROUP: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr, VCH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
@@ -132,7 +135,7 @@ def _quant_attention_kernel(
             ks = tl.load(ks_ptr + grp[:, None] * D + offs_d[None, :], mask=mask_nd, other=0.0).to(tl.float32)
             kz = tl.load(kz_ptr + grp[:, None] * D + offs_d[None, :], mask=mask_nd, other=0.0).to(tl.float32)
             k = ((kc >> shift) & ((1 << BITS) - 1)).to(tl.float32) * ks + kz
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
+            s = tl.dot(q, tl.trans(k), input_precision=DOT) * scaling
             kpos = tl.load(pos_ptr + tok, mask=mask_n, other=0).to(tl.int64)
             allowed = ((kpos[None, :] <= qpos[:, None]) | blind[:, None]) & mask_n[None, :]
             s = tl.where(allowed, s, float("-inf"))
@@ -141,7 +144,7 @@ def _quant_attention_kernel(
             vs = tl.load(vs_ptr + tok[:, None] * J + vgroup[None, :], mask=mask_nd, other=0.0).to(tl.float32)
             vz = tl.load(vz_ptr + tok[:, None] * J + vgroup[None, :], mask=mask_nd, other=0.0).to(tl.float32)
             v = ((vc >> shift) & ((1 << BITS) - 1)).to(tl.float32) * vs + vz
-            acc += tl.dot(p, v, input_precision="ieee")
+            acc += tl.dot(p, v, input_precision=DOT)
     else:
         for t0 in range(0, R, BLOCK_N):
             offs_n = t0 + tl.arange(0, BLOCK_N)
@@ -149,13 +152,13 @@ def _quant_attention_kernel(
             mask_nd = mask_n[:, None] & mask_d[None, :]
             tok = pid_bh * R + offs_n
             k = tl.load(rk_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_nd, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
+            s = tl.dot(q, tl.trans(k), input_precision=DOT) * scaling
             kpos = tl.load(rpos_ptr + tok, mask=mask_n, other=0).to(tl.int64)
             allowed = ((kpos[None, :] <= qpos[:, None]) | blind[:, None]) & mask_n[None, :]
             s = tl.where(allowed, s, float("-inf"))
             p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
             v = tl.load(rv_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_nd, other=0.0).to(tl.float32)
-            acc += tl.dot(p, v, input_precision="ieee")
+            acc += tl.dot(p, v, input_precision=DOT)
 
     n_all = n_splits + 1
     part = (pid_bh * n_all + pid_s) * M + offs_m
@@ -241,6 +244,6 @@ def quant_attention(
         o, m, l_sum,
         h, rows, n, length, n_groups, r, d, value_scale.shape[-1], n_splits, split_tokens, float(scaling),
         GROUP=group, BITS=bits, PACKED=key_codes.shape[-1], VCH=d // value_scale.shape[-1],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT=DOT_PRECISION,
     )
     return _combine(o, m, l_sum).reshape(b, hq, n, d).to(q.dtype)

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcomp.kernels import quant_triton
 from kvcomp.kernels.quant_triton import _check_bits, _pow2
 from kvcomp.kernels.retrieval_ref import REDUCTIONS
 
@@ -46,7 +47,8 @@ def _page_scores_kernel(q_ptr, max_ptr, min_ptr, out_ptr, G, P, D,
 @triton.jit
 def _quant_key_scores_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, out_ptr, G, L, NG, D, scaling,
                              GROUP: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr, REDUCE: tl.constexpr,
-                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             DOT: tl.constexpr):
     pid_bh = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, BLOCK_G)
@@ -62,7 +64,7 @@ def _quant_key_scores_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, out_ptr, G, L, NG, D
     ks = tl.load(ks_ptr + grp[:, None] * D + offs_d[None, :], mask=mask_nd, other=0.0).to(tl.float32)
     kz = tl.load(kz_ptr + grp[:, None] * D + offs_d[None, :], mask=mask_nd, other=0.0).to(tl.float32)
     k = ((kc >> ((offs_d % per_byte) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32) * ks + kz
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling  # [BLOCK_G, BLOCK_N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT) * scaling  # [BLOCK_G, BLOCK_N]
     tl.store(out_ptr + tok, _reduce_group(s, mask_g, G, REDUCE), mask=mask_n)
 
 
@@ -107,6 +109,6 @@ def quant_key_scores(
         q.reshape(b, h, g, d).contiguous(), key_codes.contiguous(), key_scale.contiguous(), key_zero.contiguous(),
         out, g, length, n_groups, d, float(scaling),
         GROUP=group, BITS=bits, PACKED=key_codes.shape[-1], REDUCE=_reduce_code(reduce),
-        BLOCK_G=_pow2(g), BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        BLOCK_G=_pow2(g), BLOCK_N=block_n, BLOCK_D=_pow2(d), DOT=quant_triton.DOT_PRECISION,
     )
     return out

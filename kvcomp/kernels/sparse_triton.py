@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcomp.kernels import quant_triton
 from kvcomp.kernels.quant_triton import _combine, _online_update, _pow2, split_plan
 
 
@@ -19,7 +20,7 @@ from kvcomp.kernels.quant_triton import _combine, _online_update, _pow2, split_p
 def _sparse_attention_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, o_ptr, m_ptr, l_ptr,
     M, L, K, D, n_splits, split_slots, scaling,
-    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
@@ -44,11 +45,11 @@ def _sparse_attention_kernel(
         rows = (pid_bh * L + tl.where(valid, tok, 0))[:, None] * D + offs_d[None, :]
         mask_nd = valid[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + rows, mask=mask_nd, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
+        s = tl.dot(q, tl.trans(k), input_precision=DOT) * scaling
         s = tl.where(valid[None, :], s, float("-inf"))
         p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
         v = tl.load(v_ptr + rows, mask=mask_nd, other=0.0).to(tl.float32)
-        acc += tl.dot(p, v, input_precision="ieee")
+        acc += tl.dot(p, v, input_precision=DOT)
     part = (pid_bh * n_splits + pid_s) * M + offs_m
     tl.store(o_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None] & mask_d[None, :])
     tl.store(m_ptr + part, m_i, mask=mask_m)
@@ -81,6 +82,6 @@ def sparse_attention(
         q.reshape(b, h, rows, d).contiguous(), keys.contiguous(), values.contiguous(),
         indices.contiguous(), o, m, l_sum,
         rows, length, k_sel, d, n_splits, split_slots, float(scaling),
-        PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d), DOT=quant_triton.DOT_PRECISION,
     )
     return _combine(o, m, l_sum).reshape(b, hq, n, d).to(q.dtype)
