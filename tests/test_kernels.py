@@ -62,7 +62,8 @@ def quant_case(bits, gqa, dtype, d=24, group=8, n_groups=5, residual=6, n=2, see
     vc, vs, vz = quant_ref.quantize_values(v, bits, channels)
     length = n_groups * group
     positions = torch.arange(length, dtype=torch.int32, device=DEVICE).view(1, 1, n_groups, group).repeat(b, h, 1, 1)
-    positions[1, :, -1] = SENTINEL
+    if n_groups:
+        positions[1, :, -1] = SENTINEL
     rk = randn(b, h, residual, d, seed=seed + 2, dtype=dtype)
     rv = randn(b, h, residual, d, seed=seed + 3, dtype=dtype)
     rp = torch.arange(length, length + residual, dtype=torch.int32, device=DEVICE).view(1, 1, -1).repeat(b, h, 1)
@@ -90,6 +91,17 @@ def test_triton_quant_attention_matches_reference(bits, gqa, dtype, d, residual,
     out = quant_triton.quant_attention(*args)
     assert out.dtype == dtype and out.shape == expected.shape
     torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=TOL[dtype] * 4)
+
+
+def test_quant_attention_with_only_the_residual_window():
+    """A prompt shorter than the residual window: no quantized group yet."""
+    args = list(quant_case(4, 3, torch.float32, n_groups=0, residual=6))
+    args[1] = torch.tensor([[3, 6], [-1, 2]], device=DEVICE)
+    expected = quant_ref.quant_attention(*args)
+    torch.testing.assert_close(quant_triton.quant_attention(*args), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(quant_cpu.quant_attention(*args), expected, rtol=0, atol=1e-5)
+    if DEVICE == "cpu" and cpu_native.load() is not None:
+        torch.testing.assert_close(cpu_native.quant_attention(*args), expected, rtol=0, atol=1e-5)
 
 
 def test_triton_quant_attention_splits_the_sequence(many_splits):
