@@ -32,7 +32,7 @@ SOURCE = r"""
 
 /* One token's codes as floats in plane-major order: column p * W + j holds channel j * P + p (code p of byte
    j), so every loop is contiguous and vectorises. */
-static inline void unpack_planes(const uint8_t* src, int64_t w, int bits, float* dst) {
+static inline void unpack_planes(const uint8_t* restrict src, int64_t w, int bits, float* restrict dst) {
     const int per_byte = 8 / bits, mask = (1 << bits) - 1;
     for (int p = 0; p < per_byte; p++) {
         const int shift = p * bits;
@@ -41,101 +41,160 @@ static inline void unpack_planes(const uint8_t* src, int64_t w, int bits, float*
     }
 }
 
-static inline float dot(const float* a, const float* b, int64_t d) {
+static inline float dot(const float* restrict a, const float* restrict b, int64_t d) {
     float s = 0.0f;
+    if (d == 64) { for (int i = 0; i < 64; i++) s += a[i] * b[i]; return s; }  /* the common head dims, */
+    if (d == 128) { for (int i = 0; i < 128; i++) s += a[i] * b[i]; return s; } /* unrolled by the compiler */
     for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
     return s;
 }
 
+/* o[i] += a * x[i] for i < n (n = 16 or 32 unrolled). */
+static inline void axpy(float* restrict o, float a, const float* restrict x, int64_t n) {
+    if (n == 16) { for (int i = 0; i < 16; i++) o[i] += a * x[i]; return; }
+    if (n == 32) { for (int i = 0; i < 32; i++) o[i] += a * x[i]; return; }
+    for (int64_t i = 0; i < n; i++) o[i] += a * x[i];
+}
+
 /* q [BH, M, D] (row m is query m % n); qpos [B, n]; kc, vc [BH, L, W]; ks, kz [BH, L / G, D]; vs, vz [BH, L, J];
-   pos [BH, L]; rk, rv [BH, R, D]; rpos [BH, R]; out [BH, M, D]; logits [BH, M, L + R]; work [BH, 2 * M * D + D].
+   pos [BH, L]; rk, rv [BH, R, D]; rpos [BH, R]; out [BH, M, D]; logits [BH, M, L + R];
+   work [BH * chunks, M * D + D]; partial [BH * chunks, M, D]. Each row's groups are split into `chunks` ranges
+   that threads take in parallel (keys, then values into per-chunk partial sums).
    Needs D % P == 0 and (D / J) % P == 0 (P = 8 / bits codes per byte). */
 void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const float* ks, const float* kz,
                          const uint8_t* vc, const float* vs, const float* vz, const int32_t* pos,
                          const float* rk, const float* rv, const int32_t* rpos, float* out, float* logits,
-                         float* work, int64_t B, int64_t H, int64_t M, int64_t n, int64_t L, int64_t G,
-                         int64_t R, int64_t D, int64_t J, int64_t W, int bits, float scaling, int threads) {
-    const int64_t BH = B * H, T = L + R, P = 8 / bits, run = D / J / P;  /* run: columns of one channel group per plane */
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t bh = 0; bh < BH; bh++) {
-        const int64_t b = bh / H;
-        const float* qb = q + bh * M * D;
-        const int64_t* qp = qpos + b * n;
-        const int32_t* pb = pos + bh * L;
-        const int32_t* rpb = rpos + bh * R;
-        float* lg = logits + bh * M * T;
-        float* scaled_q = work + bh * (2 * M * D + D);  /* [M, D] plane-major: q * key scale of the group */
-        float* acc = scaled_q + M * D;                   /* [M, D] plane-major value accumulator */
-        float* codes = acc + M * D;                      /* [D] one token's codes */
-        int64_t first = INT64_MAX;
-        for (int64_t t = 0; t < L; t++) if (pb[t] < first) first = pb[t];
-        for (int64_t t = 0; t < R; t++) if (rpb[t] < first) first = rpb[t];
-
+                         float* work, float* partial, int64_t B, int64_t H, int64_t M, int64_t n, int64_t L,
+                         int64_t G, int64_t R, int64_t D, int64_t J, int64_t W, int64_t chunks, int bits,
+                         float scaling, int threads) {
+    const int64_t BH = B * H, T = L + R, P = 8 / bits, run = D / J / P;  /* run: columns of a channel group per plane */
+    const int64_t NG = L / G, per_chunk = (NG + chunks - 1) / chunks;
+    int64_t first[BH > 0 ? BH : 1];
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            int64_t lowest = INT64_MAX;
+            for (int64_t t = 0; t < L; t++) if (pos[bh * L + t] < lowest) lowest = pos[bh * L + t];
+            for (int64_t t = 0; t < R; t++) if (rpos[bh * R + t] < lowest) lowest = rpos[bh * R + t];
+            first[bh] = lowest;
+        }
         /* Keys: logit = sum_d (q_d * s_d) * c_d + sum_d q_d * z_d, with s, z shared by a group of G tokens. */
-        for (int64_t g0 = 0; g0 < L; g0 += G) {
-            const float* s = ks + (bh * (L / G) + g0 / G) * D;
-            const float* z = kz + (bh * (L / G) + g0 / G) * D;
-            float bias[M > 0 ? M : 1];
-            for (int64_t m = 0; m < M; m++) {
-                for (int64_t c = 0; c < D; c++) {
-                    const int64_t ch = (c % W) * P + c / W;
-                    scaled_q[m * D + c] = qb[m * D + ch] * s[ch];
-                }
-                bias[m] = dot(qb + m * D, z, D);
-            }
-            for (int64_t t = g0; t < g0 + G; t++) {
-                unpack_planes(kc + (bh * L + t) * W, W, bits, codes);
-                for (int64_t m = 0; m < M; m++) {
-                    const int64_t qpm = qp[m % n];
-                    const int visible = pb[t] <= qpm || first > qpm;
-                    lg[m * T + t] = visible ? (dot(scaled_q + m * D, codes, D) + bias[m]) * scaling : -INFINITY;
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                const float* qb = q + bh * M * D;
+                const int64_t* qp = qpos + (bh / H) * n;
+                float* lg = logits + bh * M * T;
+                float* scaled_q = work + (bh * chunks + chunk) * (M * D + D);  /* plane-major q * key scale */
+                float* codes = scaled_q + M * D;
+                const int64_t g_end = (chunk + 1) * per_chunk < NG ? (chunk + 1) * per_chunk : NG;
+                for (int64_t grp = chunk * per_chunk; grp < g_end; grp++) {
+                    const float* s = ks + (bh * NG + grp) * D;
+                    const float* z = kz + (bh * NG + grp) * D;
+                    float bias[M > 0 ? M : 1];
+                    for (int64_t m = 0; m < M; m++) {
+                        for (int64_t c = 0; c < D; c++) {
+                            const int64_t ch = (c % W) * P + c / W;
+                            scaled_q[m * D + c] = qb[m * D + ch] * s[ch];
+                        }
+                        bias[m] = dot(qb + m * D, z, D);
+                    }
+                    for (int64_t t = grp * G; t < (grp + 1) * G; t++) {
+                        unpack_planes(kc + (bh * L + t) * W, W, bits, codes);
+                        const int32_t kp = pos[bh * L + t];
+                        int64_t m = 0;
+                        for (; m + 4 <= M; m += 4) {  /* four query rows per pass over the codes */
+                            const float *s0 = scaled_q + m * D, *s1 = s0 + D, *s2 = s1 + D, *s3 = s2 + D;
+                            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+                            for (int64_t c = 0; c < D; c++) {
+                                const float x = codes[c];
+                                a0 += s0[c] * x; a1 += s1[c] * x; a2 += s2[c] * x; a3 += s3[c] * x;
+                            }
+                            const float dots[4] = {a0, a1, a2, a3};
+                            for (int r = 0; r < 4; r++) {
+                                const int64_t qpm = qp[(m + r) % n];
+                                const int visible = kp <= qpm || first[bh] > qpm;
+                                lg[(m + r) * T + t] = visible ? (dots[r] + bias[m + r]) * scaling : -INFINITY;
+                            }
+                        }
+                        for (; m < M; m++) {
+                            const int64_t qpm = qp[m % n];
+                            const int visible = kp <= qpm || first[bh] > qpm;
+                            lg[m * T + t] = visible ? (dot(scaled_q + m * D, codes, D) + bias[m]) * scaling : -INFINITY;
+                        }
+                    }
                 }
             }
         }
-        for (int64_t t = 0; t < R; t++) {
-            const float* k = rk + (bh * R + t) * D;
+        /* Residual keys, then a softmax per query row (every row sees at least one slot). */
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
             for (int64_t m = 0; m < M; m++) {
-                const int64_t qpm = qp[m % n];
-                const int visible = rpb[t] <= qpm || first > qpm;
-                lg[m * T + L + t] = visible ? dot(qb + m * D, k, D) * scaling : -INFINITY;
+                const int64_t qpm = qpos[(bh / H) * n + m % n];
+                float* row = logits + (bh * M + m) * T;
+                for (int64_t t = 0; t < R; t++) {
+                    const int visible = rpos[bh * R + t] <= qpm || first[bh] > qpm;
+                    row[L + t] = visible ? dot(q + (bh * M + m) * D, rk + (bh * R + t) * D, D) * scaling : -INFINITY;
+                }
+                float top = -INFINITY, sum = 0.0f;
+                for (int64_t t = 0; t < T; t++) top = row[t] > top ? row[t] : top;
+                for (int64_t t = 0; t < T; t++) { row[t] = expf(row[t] - top); sum += row[t]; }
+                const float inv = 1.0f / sum;
+                for (int64_t t = 0; t < T; t++) row[t] *= inv;
             }
-        }
-        /* Softmax per query row (every row sees at least one slot). */
-        for (int64_t m = 0; m < M; m++) {
-            float* row = lg + m * T;
-            float top = -INFINITY, sum = 0.0f;
-            for (int64_t t = 0; t < T; t++) top = row[t] > top ? row[t] : top;
-            for (int64_t t = 0; t < T; t++) { row[t] = expf(row[t] - top); sum += row[t]; }
-            const float inv = 1.0f / sum;
-            for (int64_t t = 0; t < T; t++) row[t] *= inv;
         }
         /* Values: acc_c += (p * s_j) * c_c + p * z_j, j the channel group of column c. */
-        memset(acc, 0, sizeof(float) * M * D);
-        for (int64_t t = 0; t < L; t++) {
-            unpack_planes(vc + (bh * L + t) * W, W, bits, codes);
-            const float* s = vs + (bh * L + t) * J;
-            const float* z = vz + (bh * L + t) * J;
-            for (int64_t m = 0; m < M; m++) {
-                const float p = lg[m * T + t];
-                if (p == 0.0f) continue;
-                float* o = acc + m * D;
-                for (int64_t plane = 0; plane < P; plane++)
-                    for (int64_t j = 0; j < J; j++) {
-                        const float a = p * s[j], c0 = p * z[j];
-                        const int64_t base = plane * W + j * run;
-                        for (int64_t i = base; i < base + run; i++) o[i] += a * codes[i] + c0;
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                const float* lg = logits + bh * M * T;
+                float* acc = partial + (bh * chunks + chunk) * M * D;
+                float* codes = work + (bh * chunks + chunk) * (M * D + D) + M * D;
+                float* zero_acc = work + (bh * chunks + chunk) * (M * D + D);  /* [M, J]: sum of p * z_j */
+                memset(acc, 0, sizeof(float) * M * D);
+                memset(zero_acc, 0, sizeof(float) * M * J);
+                const int64_t t_end = (chunk + 1) * per_chunk * G < L ? (chunk + 1) * per_chunk * G : L;
+                for (int64_t t = chunk * per_chunk * G; t < t_end; t++) {
+                    unpack_planes(vc + (bh * L + t) * W, W, bits, codes);
+                    const float* s = vs + (bh * L + t) * J;
+                    const float* z = vz + (bh * L + t) * J;
+                    for (int64_t m = 0; m < M; m++) {
+                        const float p = lg[m * T + t];
+                        if (p == 0.0f) continue;
+                        float* o = acc + m * D;
+                        for (int64_t j = 0; j < J; j++) {
+                            const float a = p * s[j];
+                            zero_acc[m * J + j] += p * z[j];
+                            for (int64_t plane = 0; plane < P; plane++)
+                                axpy(o + plane * W + j * run, a, codes + plane * W + j * run, run);
+                        }
                     }
+                }
+                for (int64_t m = 0; m < M; m++)  /* the zero points' term, once per column */
+                    for (int64_t plane = 0; plane < P; plane++)
+                        for (int64_t j = 0; j < J; j++)
+                            for (int64_t i = 0; i < run; i++) acc[m * D + plane * W + j * run + i] += zero_acc[m * J + j];
             }
         }
-        float* ob = out + bh * M * D;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t c = 0; c < D; c++) ob[m * D + (c % W) * P + c / W] = acc[m * D + c];
-        for (int64_t t = 0; t < R; t++) {
-            const float* v = rv + (bh * R + t) * D;
-            for (int64_t m = 0; m < M; m++) {
-                const float p = lg[m * T + L + t];
-                float* o = ob + m * D;
-                for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
+        /* Sum the chunks in the original channel order, then the residual values. */
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            float* ob = out + bh * M * D;
+            memset(ob, 0, sizeof(float) * M * D);
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                const float* acc = partial + (bh * chunks + chunk) * M * D;
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t c = 0; c < D; c++) ob[m * D + (c % W) * P + c / W] += acc[m * D + c];
+            }
+            const float* lg = logits + bh * M * T;
+            for (int64_t t = 0; t < R; t++) {
+                const float* v = rv + (bh * R + t) * D;
+                for (int64_t m = 0; m < M; m++) {
+                    const float p = lg[m * T + L + t];
+                    float* o = ob + m * D;
+                    for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
+                }
             }
         }
     }
@@ -188,7 +247,7 @@ def _compile() -> ctypes.CDLL | None:
         return None
     fn = lib.quant_attention_f32
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 15 + [ctypes.c_int64] * 10 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 11 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -237,12 +296,16 @@ def quant_attention(
         positions.to(torch.int32).contiguous(),
         residual_keys.contiguous(), residual_values.contiguous(), residual_positions.to(torch.int32).contiguous(),
     ]
+    threads = max(1, torch.get_num_threads())
+    # Split each row's groups over the threads when there are fewer (row, KV head) pairs than threads.
+    chunks = max(1, min(n_groups, -(-2 * threads // (b * h)))) if threads > 1 else 1
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
     logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
-    work = torch.empty(b * h, 2 * rows * d + d, dtype=torch.float32)
+    work = torch.empty(b * h * chunks, rows * d + d, dtype=torch.float32)
+    partial = torch.empty(b * h * chunks, rows, d, dtype=torch.float32)
     lib.quant_attention_f32(
-        *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(),
-        b, h, rows, n, length, group, r, d, value_scale.shape[-1], key_codes.shape[-1], bits, float(scaling),
-        max(1, min(torch.get_num_threads(), b * h)),
+        *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
+        b, h, rows, n, length, group, r, d, value_scale.shape[-1], key_codes.shape[-1], chunks, bits,
+        float(scaling), threads,
     )
     return out.reshape(b, hq, n, d)
