@@ -1,10 +1,12 @@
 """Speed and memory of each compressor against no compression, and against the memory roofline.
 
 For every context length and compressor (``none`` is a plain transformers ``DynamicCache`` on sdpa
-attention): prefill a synthetic prompt once, then decode ``decode_steps`` tokens greedily, and record
+attention): prefill a synthetic prompt once, then decode ``decode_steps`` tokens greedily (the compressors'
+steps interleaved, so load changes on a shared machine hit all alike), and record
 
 * prefill tokens/s, decode tokens/s and the median ms per decoded token;
-* peak resident memory of the process during that run (sampled) and its rise over the run's start;
+* the rise of the process's resident memory during the prefill (sampled: the cache plus prefill transients)
+  and the peak resident memory of the process;
 * resident KV bytes at the end, and the memory factor against ``none`` in the same run;
 * the decode roofline: a step must read the weights and the resident KV, so it cannot take less than
   ``(weight bytes + KV bytes) / copy bandwidth``, the bandwidth measured with a large tensor copy on the
@@ -109,7 +111,7 @@ def rss_bytes() -> int:
 class PeakMemory:
     """Samples the process RSS (and CUDA's peak allocation) every few ms while the ``with`` block runs."""
 
-    def __init__(self, device: str, interval: float = 0.005):
+    def __init__(self, device: str, interval: float = 0.01):
         self.device, self.interval = device, interval
         self.start = self.peak = 0
         self._stop = threading.Event()
@@ -172,52 +174,69 @@ def synthetic_prompt(length: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(100, max(101, vocab - 1000), (1, length), generator=gen)
 
 
+def _use_attention(model, compressor) -> None:
+    # none is plain transformers sdpa; a CompressedCache needs kvcomp's attention (installed by its constructor).
+    want = "sdpa" if compressor is None else "kvcomp"
+    if model.config._attn_implementation != want:
+        model.set_attn_implementation(want)
+
+
 @torch.inference_mode()
-def measure(model, ids: torch.Tensor, compressor, steps: int, device: str) -> dict[str, Any]:
-    """Prefill all but the last prompt token, then decode ``steps`` tokens greedily; one row of the table."""
+def prefill(model, ids: torch.Tensor, compressor, device: str) -> dict[str, Any]:
+    """Prefill the prompt into a new cache; returns the timing, the memory rise, the cache and the next token."""
     from transformers import DynamicCache
 
     from kvcomp import CompressedCache
-    from kvcomp.generation import cache_stats
 
-    if compressor is None:
-        model.set_attn_implementation("sdpa")  # the plain transformers baseline
-        cache = DynamicCache()
-    else:
-        cache = CompressedCache(model, compressor)  # installs kvcomp attention
+    cache = DynamicCache() if compressor is None else CompressedCache(model, compressor)
+    _use_attention(model, compressor)
     ids = ids.to(device)
     with PeakMemory(device) as memory:
         _sync(device)
         t0 = time.perf_counter()
         out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         _sync(device)
-        prefill_s = time.perf_counter() - t0
-        step_s = []
-        next_ids = out.logits[:, -1:].argmax(-1)
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            out = model(input_ids=next_ids, cache=cache, use_cache=True, logits_to_keep=1)
-            next_ids = out.logits[:, -1:].argmax(-1)
-            _sync(device)
-            step_s.append(time.perf_counter() - t0)
-    resident, full, _ = cache_stats(cache)
-    kv = sum(resident.values())
-    ordered = sorted(step_s)
-    return {
-        "prefill_s": prefill_s,
-        "prefill_tok_s": ids.shape[1] / prefill_s,
-        "decode_tok_s": len(step_s) / sum(step_s) if step_s else float("nan"),
-        "decode_ms_per_token": 1000 * ordered[len(ordered) // 2] if step_s else float("nan"),
-        "peak_rss_mb": memory.peak / 2**20,
-        "peak_rise_mb": (memory.peak - memory.start) / 2**20,
-        "kv_bytes": kv,
-        "kv_device_bytes": resident.get("device", 0),
-        "full_kv_bytes": full,
-    }
+        seconds = time.perf_counter() - t0
+    return {"cache": cache, "next_ids": out.logits[:, -1:].argmax(-1), "prefill_s": seconds,
+            "prefill_tok_s": ids.shape[1] / seconds, "peak_rss_mb": memory.peak / 2**20,
+            "peak_rise_mb": (memory.peak - memory.start) / 2**20, "step_s": []}
+
+
+@torch.inference_mode()
+def decode_step(model, run: dict[str, Any], compressor, device: str) -> None:
+    """One greedy decode step on a prefilled run (its time appended to ``run["step_s"]``)."""
+    _use_attention(model, compressor)
+    t0 = time.perf_counter()
+    out = model(input_ids=run["next_ids"], cache=run["cache"], use_cache=True, logits_to_keep=1)
+    run["next_ids"] = out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    run["step_s"].append(time.perf_counter() - t0)
+
+
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    from kvcomp.generation import cache_stats
+
+    resident, full, _ = cache_stats(run["cache"])
+    steps = sorted(run["step_s"])
+    row = {k: run[k] for k in ("prefill_s", "prefill_tok_s", "peak_rss_mb", "peak_rise_mb")}
+    row.update(
+        decode_tok_s=len(steps) / sum(steps) if steps else float("nan"),
+        decode_ms_per_token=1000 * steps[len(steps) // 2] if steps else float("nan"),
+        kv_bytes=sum(resident.values()),
+        kv_device_bytes=resident.get("device", 0),
+        full_kv_bytes=full,
+    )
+    return row
 
 
 def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> list[dict[str, Any]]:
-    """Run every (context, compressor) pair; returns the rows (also written to ``config.out``)."""
+    """Run every (context, compressor) pair; returns the rows (also written to ``config.out``).
+
+    At each context every compressor prefills once (in turn, each prefill timed alone), then the decode steps
+    are interleaved, one step of each compressor in turn, so that a change in the machine's load (a shared
+    machine) slows all of them alike and the ratios to ``none`` stay meaningful. ``peak_rise_mb`` is the rise
+    of the process's resident memory during a compressor's prefill (its cache plus prefill transients).
+    """
     from kvcomp import load_model
 
     if config.threads:
@@ -235,10 +254,16 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     rows = []
     for context in config.contexts:
         ids = synthetic_prompt(context, model.config.vocab_size, config.seed)
-        baseline = None
+        runs = []
         for label, compressor in built:
-            row = {"context": context, "compressor": label}
-            row.update(measure(model, ids, compressor, config.decode_steps, config.device))
+            runs.append(prefill(model, ids, compressor, config.device))
+            log(f"{context:>6} {label:32s} prefill {runs[-1]['prefill_tok_s']:7.0f} tok/s")
+        for _ in range(config.decode_steps):
+            for (_, compressor), run in zip(built, runs):
+                decode_step(model, run, compressor, config.device)
+        baseline = None
+        for (label, _), run in zip(built, runs):
+            row = {"context": context, "compressor": label, **summarize(run)}
             step_bytes = weights + row["kv_bytes"]
             row["step_bytes"] = step_bytes
             row["roofline_ms"] = 1000 * step_bytes / bandwidth
@@ -251,8 +276,10 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
                 row["memory_factor"] = baseline["kv_bytes"] / row["kv_bytes"] if row["kv_bytes"] else float("inf")
             rows.append(row)
             log(f"{context:>6} {label:32s} decode {row['decode_ms_per_token']:7.1f} ms/token "
-                f"(x{row.get('decode_speedup', float('nan')):.2f})  prefill {row['prefill_tok_s']:7.0f} tok/s  "
-                f"KV {row['kv_bytes'] / 2**20:7.1f} MiB  roofline {row['roofline_fraction']:.2f}")
+                f"(x{row.get('decode_speedup', float('nan')):.2f})  KV {row['kv_bytes'] / 2**20:7.1f} MiB  "
+                f"roofline {row['roofline_fraction']:.2f}")
+        del runs
+        gc.collect()
     meta = {
         "config": dataclasses.asdict(config),
         "copy_bandwidth_bytes_s": bandwidth,
@@ -285,7 +312,7 @@ COLUMNS = [
     ("decode_speedup", "decode speedup", "{:.2f}"),
     ("kv_bytes", "KV MiB", None),
     ("memory_factor", "memory factor", "{:.2f}"),
-    ("peak_rss_mb", "peak RSS MiB", "{:.0f}"),
+    ("peak_rise_mb", "prefill RSS rise MiB", "{:.0f}"),
     ("roofline_ms", "roofline ms", "{:.1f}"),
     ("roofline_fraction", "of roofline", "{:.2f}"),
 ]

@@ -40,6 +40,7 @@ def test_bench_on_tiny_model_writes_table_csv_and_plot(tiny, tmp_path):
         (c, name) for c in (48, 96) for name in ("none", "snapkv", "quant")]
     for row in rows:
         assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["peak_rss_mb"] > 0
+        assert row["peak_rise_mb"] >= 0
         assert row["roofline_ms"] > 0 and row["step_bytes"] > row["kv_bytes"]
     none, snap, quant = rows[3:]
     assert none["decode_speedup"] == 1.0 and none["memory_factor"] == 1.0
