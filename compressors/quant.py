@@ -24,9 +24,10 @@ Bytes per stored token and KV head (``s`` = model dtype size, ``C`` = value chan
 at the tiny test model's D = 16 it is 32 against 128 (4x), positions and scales weighing more.
 
 Decoding does not materialize the dequantized cache: :func:`kvcomp.kernels.quant_attention` runs the fused
-Triton kernel on CUDA and, elsewhere, :func:`kvcomp.kernels.quant_cpu.quant_attention`, which dequantizes
-blocks of ``_DECODE_BLOCK`` tokens into a reused workspace (both equal the reference
-:func:`kvcomp.kernels.quant_ref.quant_attention`).
+Triton kernel on CUDA; on the CPU, a fused C kernel (float32, :mod:`kvcomp.kernels.cpu_native`) that holds one
+token's codes at a time, or :func:`kvcomp.kernels.quant_cpu.quant_attention`, which dequantizes blocks of
+``_DECODE_BLOCK`` tokens into a reused workspace. All equal the reference
+:func:`kvcomp.kernels.quant_ref.quant_attention`.
 """
 
 from __future__ import annotations
