@@ -49,16 +49,23 @@ static inline float dot(const float* restrict a, const float* restrict b, int64_
     return s;
 }
 
-/* o[i] += a * x[i] for i < n (n = 16 or 32 unrolled). */
+/* o[i] += a * x[i] for i < n (the common sizes unrolled). */
 static inline void axpy(float* restrict o, float a, const float* restrict x, int64_t n) {
-    if (n == 16) { for (int i = 0; i < 16; i++) o[i] += a * x[i]; return; }
-    if (n == 32) { for (int i = 0; i < 32; i++) o[i] += a * x[i]; return; }
+    if (n == 64) { for (int i = 0; i < 64; i++) o[i] += a * x[i]; return; }
+    if (n == 128) { for (int i = 0; i < 128; i++) o[i] += a * x[i]; return; }
     for (int64_t i = 0; i < n; i++) o[i] += a * x[i];
+}
+
+/* o[i] = a * x[i] for i < n. */
+static inline void scale(float* restrict o, float a, const float* restrict x, int64_t n) {
+    if (n == 16) { for (int i = 0; i < 16; i++) o[i] = a * x[i]; return; }
+    if (n == 32) { for (int i = 0; i < 32; i++) o[i] = a * x[i]; return; }
+    for (int64_t i = 0; i < n; i++) o[i] = a * x[i];
 }
 
 /* q [BH, M, D] (row m is query m % n); qpos [B, n]; kc, vc [BH, L, W]; ks, kz [BH, L / G, D]; vs, vz [BH, L, J];
    pos [BH, L]; rk, rv [BH, R, D]; rpos [BH, R]; out [BH, M, D]; logits [BH, M, L + R];
-   work [BH * chunks, M * D + D]; partial [BH * chunks, M, D]. Each row's groups are split into `chunks` ranges
+   work [BH * chunks, M * D + 2 * D]; partial [BH * chunks, M, D]. Each row's groups are split into `chunks` ranges
    that threads take in parallel (keys, then values into per-chunk partial sums).
    Needs D % P == 0 and (D / J) % P == 0 (P = 8 / bits codes per byte). */
 void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const float* ks, const float* kz,
@@ -69,7 +76,8 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                          float scaling, int threads) {
     const int64_t BH = B * H, T = L + R, P = 8 / bits, run = D / J / P;  /* run: columns of a channel group per plane */
     const int64_t NG = L / G, per_chunk = (NG + chunks - 1) / chunks;
-    int64_t first[BH > 0 ? BH : 1];
+    int64_t first[BH > 0 ? BH : 1], channel[D > 0 ? D : 1];  /* channel[c]: original channel of column c */
+    for (int64_t c = 0; c < D; c++) channel[c] = (c % W) * P + c / W;
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
@@ -86,7 +94,9 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                 const float* qb = q + bh * M * D;
                 const int64_t* qp = qpos + (bh / H) * n;
                 float* lg = logits + bh * M * T;
-                float* scaled_q = work + (bh * chunks + chunk) * (M * D + D);  /* plane-major q * key scale */
+                int64_t row_pos[M > 0 ? M : 1];  /* each query row's position, or +inf when it sees every slot */
+                for (int64_t m = 0; m < M; m++) row_pos[m] = first[bh] > qp[m % n] ? INT64_MAX : qp[m % n];
+                float* scaled_q = work + (bh * chunks + chunk) * (M * D + 2 * D);  /* plane-major q * key scale */
                 float* codes = scaled_q + M * D;
                 const int64_t g_end = (chunk + 1) * per_chunk < NG ? (chunk + 1) * per_chunk : NG;
                 for (int64_t grp = chunk * per_chunk; grp < g_end; grp++) {
@@ -94,10 +104,7 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                     const float* z = kz + (bh * NG + grp) * D;
                     float bias[M > 0 ? M : 1];
                     for (int64_t m = 0; m < M; m++) {
-                        for (int64_t c = 0; c < D; c++) {
-                            const int64_t ch = (c % W) * P + c / W;
-                            scaled_q[m * D + c] = qb[m * D + ch] * s[ch];
-                        }
+                        for (int64_t c = 0; c < D; c++) scaled_q[m * D + c] = qb[m * D + channel[c]] * s[channel[c]];
                         bias[m] = dot(qb + m * D, z, D);
                     }
                     for (int64_t t = grp * G; t < (grp + 1) * G; t++) {
@@ -112,17 +119,11 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                                 a0 += s0[c] * x; a1 += s1[c] * x; a2 += s2[c] * x; a3 += s3[c] * x;
                             }
                             const float dots[4] = {a0, a1, a2, a3};
-                            for (int r = 0; r < 4; r++) {
-                                const int64_t qpm = qp[(m + r) % n];
-                                const int visible = kp <= qpm || first[bh] > qpm;
-                                lg[(m + r) * T + t] = visible ? (dots[r] + bias[m + r]) * scaling : -INFINITY;
-                            }
+                            for (int r = 0; r < 4; r++)
+                                lg[(m + r) * T + t] = kp <= row_pos[m + r] ? (dots[r] + bias[m + r]) * scaling : -INFINITY;
                         }
-                        for (; m < M; m++) {
-                            const int64_t qpm = qp[m % n];
-                            const int visible = kp <= qpm || first[bh] > qpm;
-                            lg[m * T + t] = visible ? (dot(scaled_q + m * D, codes, D) + bias[m]) * scaling : -INFINITY;
-                        }
+                        for (; m < M; m++)
+                            lg[m * T + t] = kp <= row_pos[m] ? (dot(scaled_q + m * D, codes, D) + bias[m]) * scaling : -INFINITY;
                     }
                 }
             }
@@ -150,8 +151,9 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
             for (int64_t chunk = 0; chunk < chunks; chunk++) {
                 const float* lg = logits + bh * M * T;
                 float* acc = partial + (bh * chunks + chunk) * M * D;
-                float* codes = work + (bh * chunks + chunk) * (M * D + D) + M * D;
-                float* zero_acc = work + (bh * chunks + chunk) * (M * D + D);  /* [M, J]: sum of p * z_j */
+                float* zero_acc = work + (bh * chunks + chunk) * (M * D + 2 * D);  /* [M, J]: sum of p * z_j */
+                float* codes = zero_acc + M * D;
+                float* scaled = codes + D;  /* codes * the token's scale of their channel group */
                 memset(acc, 0, sizeof(float) * M * D);
                 memset(zero_acc, 0, sizeof(float) * M * J);
                 const int64_t t_end = (chunk + 1) * per_chunk * G < L ? (chunk + 1) * per_chunk * G : L;
@@ -159,16 +161,14 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                     unpack_planes(vc + (bh * L + t) * W, W, bits, codes);
                     const float* s = vs + (bh * L + t) * J;
                     const float* z = vz + (bh * L + t) * J;
+                    for (int64_t plane = 0; plane < P; plane++)
+                        for (int64_t j = 0; j < J; j++)
+                            scale(scaled + plane * W + j * run, s[j], codes + plane * W + j * run, run);
                     for (int64_t m = 0; m < M; m++) {
                         const float p = lg[m * T + t];
                         if (p == 0.0f) continue;
-                        float* o = acc + m * D;
-                        for (int64_t j = 0; j < J; j++) {
-                            const float a = p * s[j];
-                            zero_acc[m * J + j] += p * z[j];
-                            for (int64_t plane = 0; plane < P; plane++)
-                                axpy(o + plane * W + j * run, a, codes + plane * W + j * run, run);
-                        }
+                        for (int64_t j = 0; j < J; j++) zero_acc[m * J + j] += p * z[j];
+                        axpy(acc + m * D, p, scaled, D);
                     }
                 }
                 for (int64_t m = 0; m < M; m++)  /* the zero points' term, once per column */
@@ -185,7 +185,7 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
             for (int64_t chunk = 0; chunk < chunks; chunk++) {
                 const float* acc = partial + (bh * chunks + chunk) * M * D;
                 for (int64_t m = 0; m < M; m++)
-                    for (int64_t c = 0; c < D; c++) ob[m * D + (c % W) * P + c / W] += acc[m * D + c];
+                    for (int64_t c = 0; c < D; c++) ob[m * D + channel[c]] += acc[m * D + c];
             }
             const float* lg = logits + bh * M * T;
             for (int64_t t = 0; t < R; t++) {
@@ -301,7 +301,7 @@ def quant_attention(
     chunks = max(1, min(n_groups, -(-2 * threads // (b * h)))) if threads > 1 else 1
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
     logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
-    work = torch.empty(b * h * chunks, rows * d + d, dtype=torch.float32)
+    work = torch.empty(b * h * chunks, rows * d + 2 * d, dtype=torch.float32)
     partial = torch.empty(b * h * chunks, rows, d, dtype=torch.float32)
     lib.quant_attention_f32(
         *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
