@@ -251,6 +251,10 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     weights = weight_bytes(model)
     log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; weights {weights / 2**20:.0f} MiB; "
         f"{torch.get_num_threads()} threads")
+    # Warm-up: first-call costs (allocator, kernel compilation) must not land on whichever runs first.
+    warm = synthetic_prompt(64, model.config.vocab_size, config.seed)
+    for _, compressor in built:
+        decode_step(model, prefill(model, warm, compressor, config.device), compressor, config.device)
     rows = []
     for context in config.contexts:
         ids = synthetic_prompt(context, model.config.vocab_size, config.seed)
