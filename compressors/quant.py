@@ -144,6 +144,9 @@ class Quant(Compressor):
     def append(self, layer, state: QuantState, k, v, ctx):
         # Real tokens first, in position order, per row and KV head; padding slots (SENTINEL) last.
         window = compact(state.residual.cat(TokenStore(k, v, ctx.positions.to(torch.int32))))
+        if window.positions.shape[-1] < self.residual + self.group_size:  # no row can flush: skip the counting
+            state.residual = window
+            return state
         count = window.valid.sum(-1)  # [B, H]
         flush = (count - self.residual).clamp(min=0) // self.group_size  # whole groups to quantize, [B, H]
         n_new = int(flush.max())
