@@ -65,7 +65,7 @@ static inline void scale(float* restrict o, float a, const float* restrict x, in
 
 /* q [BH, M, D] (row m is query m % n); qpos [B, n]; kc, vc [BH, L, W]; ks, kz [BH, L / G, D]; vs, vz [BH, L, J];
    pos [BH, L]; rk, rv [BH, R, D]; rpos [BH, R]; out [BH, M, D]; logits [BH, M, L + R];
-   work [BH * chunks, M * D + 2 * D]; partial [BH * chunks, M, D]. Each row's groups are split into `chunks` ranges
+   work [BH * chunks, M * D + 2 * D + G * D]; partial [BH * chunks, M, D]. Each row's groups are split into `chunks` ranges
    that threads take in parallel (keys, then values into per-chunk partial sums).
    Needs D % P == 0 and (D / J) % P == 0 (P = 8 / bits codes per byte). */
 void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const float* ks, const float* kz,
@@ -96,7 +96,7 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                 float* lg = logits + bh * M * T;
                 int64_t row_pos[M > 0 ? M : 1];  /* each query row's position, or +inf when it sees every slot */
                 for (int64_t m = 0; m < M; m++) row_pos[m] = first[bh] > qp[m % n] ? INT64_MAX : qp[m % n];
-                float* scaled_q = work + (bh * chunks + chunk) * (M * D + 2 * D);  /* plane-major q * key scale */
+                float* scaled_q = work + (bh * chunks + chunk) * (M * D + 2 * D + G * D);  /* plane-major q * key scale */
                 float* codes = scaled_q + M * D;
                 const int64_t g_end = (chunk + 1) * per_chunk < NG ? (chunk + 1) * per_chunk : NG;
                 for (int64_t grp = chunk * per_chunk; grp < g_end; grp++) {
@@ -151,24 +151,37 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
             for (int64_t chunk = 0; chunk < chunks; chunk++) {
                 const float* lg = logits + bh * M * T;
                 float* acc = partial + (bh * chunks + chunk) * M * D;
-                float* zero_acc = work + (bh * chunks + chunk) * (M * D + 2 * D);  /* [M, J]: sum of p * z_j */
+                float* zero_acc = work + (bh * chunks + chunk) * (M * D + 2 * D + G * D);  /* [M, J]: sum of p * z_j */
                 float* codes = zero_acc + M * D;
-                float* scaled = codes + D;  /* codes * the token's scale of their channel group */
+                float* block = codes + 2 * D;  /* [G, D]: one group's codes * their token's channel-group scale */
                 memset(acc, 0, sizeof(float) * M * D);
                 memset(zero_acc, 0, sizeof(float) * M * J);
                 const int64_t t_end = (chunk + 1) * per_chunk * G < L ? (chunk + 1) * per_chunk * G : L;
-                for (int64_t t = chunk * per_chunk * G; t < t_end; t++) {
-                    unpack_planes(vc + (bh * L + t) * W, W, bits, codes);
-                    const float* s = vs + (bh * L + t) * J;
-                    const float* z = vz + (bh * L + t) * J;
-                    for (int64_t plane = 0; plane < P; plane++)
-                        for (int64_t j = 0; j < J; j++)
-                            scale(scaled + plane * W + j * run, s[j], codes + plane * W + j * run, run);
+                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end; t0 += G) {
+                    for (int64_t t = t0; t < t0 + G; t++) {
+                        unpack_planes(vc + (bh * L + t) * W, W, bits, codes);
+                        const float* s = vs + (bh * L + t) * J;
+                        const float* z = vz + (bh * L + t) * J;
+                        float* scaled = block + (t - t0) * D;
+                        for (int64_t plane = 0; plane < P; plane++)
+                            for (int64_t j = 0; j < J; j++)
+                                scale(scaled + plane * W + j * run, s[j], codes + plane * W + j * run, run);
+                        for (int64_t m = 0; m < M; m++)
+                            for (int64_t j = 0; j < J; j++) zero_acc[m * J + j] += lg[m * T + t] * z[j];
+                    }
+                    /* Each query row walks the group with its accumulator in registers (D = 64 unrolled). */
                     for (int64_t m = 0; m < M; m++) {
-                        const float p = lg[m * T + t];
-                        if (p == 0.0f) continue;
-                        for (int64_t j = 0; j < J; j++) zero_acc[m * J + j] += p * z[j];
-                        axpy(acc + m * D, p, scaled, D);
+                        const float* p = lg + m * T + t0;
+                        float* o = acc + m * D;
+                        if (D == 64) {
+                            float r[64];
+                            for (int c = 0; c < 64; c++) r[c] = o[c];
+                            for (int64_t i = 0; i < G; i++)
+                                for (int c = 0; c < 64; c++) r[c] += p[i] * block[i * 64 + c];
+                            for (int c = 0; c < 64; c++) o[c] = r[c];
+                        } else {
+                            for (int64_t i = 0; i < G; i++) axpy(o, p[i], block + i * D, D);
+                        }
                     }
                 }
                 for (int64_t m = 0; m < M; m++)  /* the zero points' term, once per column */
@@ -301,7 +314,7 @@ def quant_attention(
     chunks = max(1, min(n_groups, -(-2 * threads // (b * h)))) if threads > 1 else 1
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
     logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
-    work = torch.empty(b * h * chunks, rows * d + 2 * d, dtype=torch.float32)
+    work = torch.empty(b * h * chunks, rows * d + 2 * d + group * d, dtype=torch.float32)
     partial = torch.empty(b * h * chunks, rows, d, dtype=torch.float32)
     lib.quant_attention_f32(
         *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
