@@ -273,11 +273,14 @@ def test_dispatcher_sends_float32_cpu_quant_attention_to_the_native_kernel(monke
     assert calls == [1]
 
 
-@pytest.mark.parametrize("bits,gqa,d,residual", [(4, 3, 24, 6), (2, 4, 16, 0), (8, 1, 24, 5)])
-def test_native_cpu_quant_attention_matches_reference(bits, gqa, d, residual):
+@pytest.mark.parametrize("bits,gqa,d,residual,n", [
+    (4, 3, 24, 6, 2), (2, 4, 16, 0, 2), (8, 1, 24, 5, 2), (4, 3, 64, 6, 1), (2, 7, 16, 3, 1),
+])
+def test_native_cpu_quant_attention_matches_reference(bits, gqa, d, residual, n):
+    """Query rows (G x n) of 6, 8, 2, 3 and 7 exercise the kernel's row blocking; D = 64 its unrolled path."""
     if DEVICE != "cpu" or cpu_native.load() is None:
         pytest.skip("no C compiler")
-    args = quant_case(bits, gqa, torch.float32, d=d, residual=residual, seed=11)
+    args = quant_case(bits, gqa, torch.float32, d=d, residual=residual, n=n, seed=11)
     torch.testing.assert_close(cpu_native.quant_attention(*args), quant_ref.quant_attention(*args),
                                rtol=0, atol=1e-5)
 

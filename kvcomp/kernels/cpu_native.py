@@ -122,6 +122,18 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                             for (int r = 0; r < 4; r++)
                                 lg[(m + r) * T + t] = kp <= row_pos[m + r] ? (dots[r] + bias[m + r]) * scaling : -INFINITY;
                         }
+                        if (m + 3 <= M) {  /* three rows (a GQA group of 3) in one pass */
+                            const float *s0 = scaled_q + m * D, *s1 = s0 + D, *s2 = s1 + D;
+                            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
+                            for (int64_t c = 0; c < D; c++) {
+                                const float x = codes[c];
+                                a0 += s0[c] * x; a1 += s1[c] * x; a2 += s2[c] * x;
+                            }
+                            lg[m * T + t] = kp <= row_pos[m] ? (a0 + bias[m]) * scaling : -INFINITY;
+                            lg[(m + 1) * T + t] = kp <= row_pos[m + 1] ? (a1 + bias[m + 1]) * scaling : -INFINITY;
+                            lg[(m + 2) * T + t] = kp <= row_pos[m + 2] ? (a2 + bias[m + 2]) * scaling : -INFINITY;
+                            m += 3;
+                        }
                         for (; m < M; m++)
                             lg[m * T + t] = kp <= row_pos[m] ? (dot(scaled_q + m * D, codes, D) + bias[m]) * scaling : -INFINITY;
                     }
