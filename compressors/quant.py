@@ -23,8 +23,11 @@ Bytes per stored token and KV head (``s`` = model dtype size, ``C`` = value chan
 ``2 * D * s + 4``. At D = 64, 4 bits, group 32 in float32 that is 100 bytes against 512 (5.12x asymptotically);
 at the tiny test model's D = 16 it is 32 against 128 (4x), positions and scales weighing more.
 
-Decoding does not materialize the dequantized cache: :func:`kvcomp.kernels.quant_ref.quant_attention` walks
-the groups in blocks of ``_DECODE_BLOCK`` tokens with an online softmax, then the residual window.
+Decoding does not materialize the dequantized cache: :func:`kvcomp.kernels.quant_attention` runs the fused
+Triton kernel on CUDA; on the CPU, a fused C kernel (float32, :mod:`kvcomp.kernels.cpu_native`) that holds one
+token's codes at a time, or :func:`kvcomp.kernels.quant_cpu.quant_attention`, which dequantizes blocks of
+``_DECODE_BLOCK`` tokens into a reused workspace. All equal the reference
+:func:`kvcomp.kernels.quant_ref.quant_attention`.
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ from typing import ClassVar
 
 import torch
 
+from kvcomp import kernels
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
 from kvcomp.kernels import quant_ref
 from kvcomp.selection import TokenStore, compact
 
-_DECODE_BLOCK = 1024  # tokens dequantized at a time in attend()
+_DECODE_BLOCK = 4096  # tokens dequantized at a time in attend() on the CPU (a few MB: stays in cache)
 
 
 @dataclass
@@ -141,6 +145,9 @@ class Quant(Compressor):
     def append(self, layer, state: QuantState, k, v, ctx):
         # Real tokens first, in position order, per row and KV head; padding slots (SENTINEL) last.
         window = compact(state.residual.cat(TokenStore(k, v, ctx.positions.to(torch.int32))))
+        if window.positions.shape[-1] < self.residual + self.group_size:  # no row can flush: skip the counting
+            state.residual = window
+            return state
         count = window.valid.sum(-1)  # [B, H]
         flush = (count - self.residual).clamp(min=0) // self.group_size  # whole groups to quantize, [B, H]
         n_new = int(flush.max())
@@ -184,10 +191,10 @@ class Quant(Compressor):
         )
 
     def attend(self, layer, state: QuantState, q, ctx):
-        """Blockwise dequantize-attention (see :func:`kvcomp.kernels.quant_ref.quant_attention` for what is
-        materialized at a time): equal to dense attention over :meth:`materialize`'s K/V."""
+        """Blockwise dequantize-attention (see :mod:`kvcomp.kernels.quant_cpu` for what is materialized at a
+        time): equal to dense attention over :meth:`materialize`'s K/V."""
         r = state.residual
-        return quant_ref.quant_attention(
+        return kernels.quant_attention(
             q,
             ctx.query_positions,
             state.key_codes,

@@ -1,4 +1,4 @@
-"""The ``kvcomp`` command: list, generate, demo, grid, run, report, calibrate."""
+"""The ``kvcomp`` command: list, generate, demo, grid, run, report, calibrate, bench."""
 
 from __future__ import annotations
 
@@ -145,6 +145,19 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from experiments.bench import BenchConfig, print_table, run_bench
+
+    config = BenchConfig(contexts=args.contexts, compressors=args.compressors, compression_ratio=args.ratio,
+                         quant_bits=args.bits, decode_steps=args.decode_steps, model=args.model, dtype=args.dtype,
+                         device=args.device, threads=args.threads, seed=args.seed, out=args.out)
+    rows = run_bench(config)
+    print_table(rows, f"kvcomp bench ({args.model or 'embedded SmolLM2-135M-Instruct'}, {args.dtype}, "
+                      f"{args.decode_steps} decode steps)")
+    print(f"bench.csv, bench.json and bench.png are in {args.out}/")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcomp", description="KV-cache compression for Hugging Face LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -218,6 +231,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence")
     p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("bench", help="prefill/decode speed, memory and roofline of each compressor vs none")
+    model_args(p)
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--compressors", nargs="+", default=[],
+                   help="none, registered names or name:key=value,...; default: none and every registered one")
+    p.add_argument("--ratio", type=float, default=0.75, help="compression_ratio where a compressor has one")
+    p.add_argument("--bits", type=int, default=4, help="bits for quant unless given as quant:bits=N")
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/bench")
+    p.set_defaults(func=_bench)
     return parser
 
 

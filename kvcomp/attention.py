@@ -84,16 +84,16 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
     qg = q.reshape(b, hkv, g * n, d)
+    # Decode (n == 1) and unpadded causal prefill need no materialized mask. One reduction and one sync decide
+    # the decode case: SENTINEL slots make max(k_pos) too large.
+    if not need_weights and n == 1 and length and int(k_pos.max()) <= int(q_pos.min()):
+        out = F.scaled_dot_product_attention(qg, k, v, scale=scaling)
+        return out.reshape(b, hq, n, d), None
     k_pos = k_pos.to(q_pos.dtype)
-    if not need_weights:
-        # Decode (n == 1) and unpadded causal prefill need no materialized mask.
-        if not bool((k_pos >= SENTINEL).any()):
-            if n == 1 and bool((k_pos <= q_pos.view(b, 1, 1)).all()):
-                out = F.scaled_dot_product_attention(qg, k, v, scale=scaling)
-                return out.reshape(b, hq, n, d), None
-            if n == length and bool((k_pos == q_pos.view(b, 1, n)).all()):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=g > 1)
-                return out, None
+    if not need_weights and n == length and n > 1 and not bool((k_pos >= SENTINEL).any()):
+        if bool((k_pos == q_pos.view(b, 1, n)).all()):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=g > 1)
+            return out, None
     outs, weights = [], []
     for start in range(0, n, _QUERY_CHUNK):
         stop = min(n, start + _QUERY_CHUNK)

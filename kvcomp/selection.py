@@ -87,6 +87,8 @@ def store_from_block(k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> Tok
 
 def compact(store: TokenStore) -> TokenStore:
     """Drop padding slots (SENTINEL positions) that no row needs, keeping position order."""
+    if store.positions.numel() == 0 or int(store.positions.max()) < SENTINEL:
+        return store  # every slot is a real token (one reduction: the common decode case)
     valid = store.valid
     counts = valid.sum(-1)
     if bool((counts == valid.shape[-1]).all()):

@@ -5,6 +5,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Triton kernels are tested on the CPU through Triton's interpreter, which must be chosen before triton is first
+# imported; on a CUDA machine (experiments/gpu_check.sh) they run compiled on the GPU instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # OMP_NUM_THREADS wins when set: on a shared, loaded machine two threads per tiny op thrash (~6x slower).
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or min(2, os.cpu_count() or 1))
 

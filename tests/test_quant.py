@@ -11,7 +11,7 @@ from kvcomp import Compose, CompressedCache, CompressorError, LayerContext, gene
 from kvcomp.attention import dense_attention
 from kvcomp.compressor import SENTINEL
 from kvcomp.generation import _left_pad, _positions, split_prompt
-from kvcomp.kernels import quant_ref
+from kvcomp.kernels import quant_cpu, quant_ref
 from kvcomp.metrics import fidelity
 from kvcomp.models import tiny_config
 from tests.helpers import CONTEXTS, QUESTIONS
@@ -178,23 +178,26 @@ def test_blockwise_attend_equals_dense_attention_on_materialized_cache(tiny, bit
 
 def test_decoding_dequantizes_one_block_at_a_time(tiny, monkeypatch):
     model, _ = tiny
+    monkeypatch.setenv("KVCOMP_NATIVE", "0")  # the torch path (the C kernel holds one token at a time)
     monkeypatch.setattr(quant_module, "_DECODE_BLOCK", 32)
     cache, out = prefill(model, random_ids(200, 12), Quant(bits=4, group_size=16, residual=16))
     blocks = []
-    dequantize_keys = quant_ref.dequantize_keys
+    unpack_planes = quant_cpu.unpack_planes
 
-    def spy(packed, *args, **kwargs):
-        blocks.append(packed.shape[2] * packed.shape[3])  # tokens dequantized by this call
-        return dequantize_keys(packed, *args, **kwargs)
+    def spy(packed, bits, out):
+        blocks.append(out[..., 0].numel())  # tokens (x batch x heads) dequantized by this call
+        return unpack_planes(packed, bits, out)
 
     def no_materialize(self, state):
         raise AssertionError("decoding materialized the whole cache")
 
-    monkeypatch.setattr(quant_ref, "dequantize_keys", spy)
+    monkeypatch.setattr(quant_cpu, "unpack_planes", spy)
     monkeypatch.setattr(Quant, "materialize", no_materialize)
     for _ in decode_steps(model, cache, out, 3):
         pass
-    assert max(blocks) == 32 and len(blocks) == 3 * 2 * (176 // 32 + 1)  # steps x layers x blocks
+    heads = model.config.num_key_value_heads
+    # steps x layers x (keys, values) x blocks
+    assert max(blocks) == 32 * heads and len(blocks) == 3 * 2 * 2 * (176 // 32 + 1)
 
 
 def test_8_bits_stays_close_to_uncompressed(tiny):

@@ -1,0 +1,400 @@
+"""Speed and memory of each compressor against no compression, and against the memory roofline.
+
+For every context length and compressor (``none`` is a plain transformers ``DynamicCache`` on sdpa
+attention): prefill a synthetic prompt once, then decode ``decode_steps`` tokens greedily (the compressors'
+steps interleaved, so load changes on a shared machine hit all alike), and record
+
+* prefill tokens/s, decode tokens/s and the median ms per decoded token;
+* the rise of the process's resident memory during the prefill (sampled: the cache plus prefill transients)
+  and the peak resident memory of the process;
+* resident KV bytes at the end, and the memory factor against ``none`` in the same run;
+* the decode roofline: a step must read the weights and the resident KV, so it cannot take less than
+  ``(weight bytes + KV bytes) / copy bandwidth``, the bandwidth measured with a large tensor copy on the
+  same device (bytes copied per second: each byte read once and written once). ``roofline_fraction`` is
+  that bound divided by the measured step time (1.0 = at the memory limit).
+
+Ratios (``decode_speedup``, ``prefill_slowdown``, ``memory_factor``) are against ``none`` at the same
+context in the same process, because timings on a shared machine drift between runs.
+
+``kvcomp bench --contexts 1024 2048 4096 8192 --out runs/bench`` writes bench.csv, bench.json (settings,
+machine, bandwidth) and bench.png there and prints the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192)
+
+
+@dataclass
+class BenchConfig:
+    contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS))
+    # "none", registered names, or "name:key=value,key=value"; empty = none + every registered compressor.
+    compressors: list[str] = field(default_factory=list)
+    compression_ratio: float = 0.75  # for compressors with a compression_ratio field, unless given
+    quant_bits: int = 4
+    decode_steps: int = 32
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+    seed: int = 0
+    out: str = "runs/bench"
+
+
+# -- what to run ---------------------------------------------------------------------------------------------
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"snapkv:compression_ratio=0.5,window=16"`` -> ``("snapkv", {...})`` (values as Python literals)."""
+    import ast
+
+    name, _, rest = spec.partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"bench: compressor parameters are key=value, got {item!r} in {spec!r}.")
+        try:
+            params[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            params[key] = value
+    return name, params
+
+
+def default_specs() -> list[str]:
+    from kvcomp import available
+
+    return ["none", *available()]
+
+
+def build_compressor(spec: str, config: BenchConfig):
+    """(label, compressor or None) for a spec, filling in the default ratio / bits."""
+    from kvcomp import available, create
+
+    name, params = parse_spec(spec)
+    if name == "none":
+        return "none", None
+    cls = available().get(name)
+    fields = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
+    if "compression_ratio" in fields and "compression_ratio" not in params and "budget" not in params:
+        params["compression_ratio"] = config.compression_ratio
+    if name == "quant" and "bits" not in params:
+        params["bits"] = config.quant_bits
+    compressor = create(name, **params)
+    label = name + ("(" + ",".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+    return label, compressor
+
+
+# -- measurements --------------------------------------------------------------------------------------------
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; falls back to the peak from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakMemory:
+    """Samples the process RSS (and CUDA's peak allocation) every few ms while the ``with`` block runs."""
+
+    def __init__(self, device: str, interval: float = 0.01):
+        self.device, self.interval = device, interval
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        self.start = self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+        if self.device.startswith("cuda"):
+            self.start, self.peak = 0, torch.cuda.max_memory_allocated()
+
+
+def copy_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second a large tensor copy moves on ``device`` (best of ``repeats``; each byte is read once
+    and written once, so a read-only stream is bounded by about this rate)."""
+    n = megabytes * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return n * 4 / best
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the parameters a decode step reads (tied weights counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def synthetic_prompt(length: int, vocab: int, seed: int) -> torch.Tensor:
+    """Random ordinary token ids (no special tokens: those are at the ends of the vocabulary)."""
+    gen = torch.Generator().manual_seed(seed + length)
+    return torch.randint(100, max(101, vocab - 1000), (1, length), generator=gen)
+
+
+def _use_attention(model, compressor) -> None:
+    # none is plain transformers sdpa; a CompressedCache needs kvcomp's attention (installed by its constructor).
+    want = "sdpa" if compressor is None else "kvcomp"
+    if model.config._attn_implementation != want:
+        model.set_attn_implementation(want)
+
+
+@torch.inference_mode()
+def prefill(model, ids: torch.Tensor, compressor, device: str) -> dict[str, Any]:
+    """Prefill the prompt into a new cache; returns the timing, the memory rise, the cache and the next token."""
+    from transformers import DynamicCache
+
+    from kvcomp import CompressedCache
+
+    cache = DynamicCache() if compressor is None else CompressedCache(model, compressor)
+    _use_attention(model, compressor)
+    ids = ids.to(device)
+    with PeakMemory(device) as memory:
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    return {"cache": cache, "next_ids": out.logits[:, -1:].argmax(-1), "prefill_s": seconds,
+            "prefill_tok_s": ids.shape[1] / seconds, "peak_rss_mb": memory.peak / 2**20,
+            "peak_rise_mb": (memory.peak - memory.start) / 2**20, "step_s": []}
+
+
+@torch.inference_mode()
+def decode_step(model, run: dict[str, Any], compressor, device: str) -> None:
+    """One greedy decode step on a prefilled run (its time appended to ``run["step_s"]``)."""
+    _use_attention(model, compressor)
+    t0 = time.perf_counter()
+    out = model(input_ids=run["next_ids"], cache=run["cache"], use_cache=True, logits_to_keep=1)
+    run["next_ids"] = out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    run["step_s"].append(time.perf_counter() - t0)
+
+
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    from kvcomp.generation import cache_stats
+
+    resident, full, _ = cache_stats(run["cache"])
+    steps = sorted(run["step_s"])
+    row = {k: run[k] for k in ("prefill_s", "prefill_tok_s", "peak_rss_mb", "peak_rise_mb")}
+    row.update(
+        decode_tok_s=len(steps) / sum(steps) if steps else float("nan"),
+        decode_ms_per_token=1000 * steps[len(steps) // 2] if steps else float("nan"),
+        kv_bytes=sum(resident.values()),
+        kv_device_bytes=resident.get("device", 0),
+        full_kv_bytes=full,
+    )
+    return row
+
+
+def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> list[dict[str, Any]]:
+    """Run every (context, compressor) pair; returns the rows (also written to ``config.out``).
+
+    At each context every compressor prefills once (in turn, each prefill timed alone), then the decode steps
+    are interleaved, one step of each compressor in turn, so that a change in the machine's load (a shared
+    machine) slows all of them alike and the ratios to ``none`` stay meaningful. ``peak_rise_mb`` is the rise
+    of the process's resident memory during a compressor's prefill (its cache plus prefill transients).
+    """
+    from kvcomp import load_model
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    specs = list(config.compressors) or default_specs()
+    if "none" not in [parse_spec(s)[0] for s in specs]:
+        specs = ["none", *specs]  # ratios need the baseline
+    built = [build_compressor(s, config) for s in specs]  # bad names fail before the model loads
+    if model is None:
+        model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
+    bandwidth = copy_bandwidth(config.device)
+    weights = weight_bytes(model)
+    log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; weights {weights / 2**20:.0f} MiB; "
+        f"{torch.get_num_threads()} threads")
+    # Warm-up: first-call costs (allocator, kernel compilation) must not land on whichever runs first.
+    warm = synthetic_prompt(64, model.config.vocab_size, config.seed)
+    for _, compressor in built:
+        decode_step(model, prefill(model, warm, compressor, config.device), compressor, config.device)
+    rows = []
+    for context in config.contexts:
+        ids = synthetic_prompt(context, model.config.vocab_size, config.seed)
+        runs = []
+        for label, compressor in built:
+            runs.append(prefill(model, ids, compressor, config.device))
+            log(f"{context:>6} {label:32s} prefill {runs[-1]['prefill_tok_s']:7.0f} tok/s")
+        for _ in range(config.decode_steps):
+            for (_, compressor), run in zip(built, runs):
+                decode_step(model, run, compressor, config.device)
+        baseline = None
+        for (label, _), run in zip(built, runs):
+            row = {"context": context, "compressor": label, **summarize(run)}
+            step_bytes = weights + row["kv_bytes"]
+            row["step_bytes"] = step_bytes
+            row["roofline_ms"] = 1000 * step_bytes / bandwidth
+            row["roofline_fraction"] = row["roofline_ms"] / row["decode_ms_per_token"]
+            if label == "none":
+                baseline = row
+            if baseline is not None:
+                row["decode_speedup"] = baseline["decode_ms_per_token"] / row["decode_ms_per_token"]
+                row["prefill_slowdown"] = row["prefill_s"] / baseline["prefill_s"]
+                row["memory_factor"] = baseline["kv_bytes"] / row["kv_bytes"] if row["kv_bytes"] else float("inf")
+            rows.append(row)
+            log(f"{context:>6} {label:32s} decode {row['decode_ms_per_token']:7.1f} ms/token "
+                f"(x{row.get('decode_speedup', float('nan')):.2f})  KV {row['kv_bytes'] / 2**20:7.1f} MiB  "
+                f"roofline {row['roofline_fraction']:.2f}")
+        del runs
+        gc.collect()
+    meta = {
+        "config": dataclasses.asdict(config),
+        "copy_bandwidth_bytes_s": bandwidth,
+        "weight_bytes": weights,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "native_quant_kernel": _native_status(config.device),
+    }
+    write_outputs(rows, meta, Path(config.out))
+    return rows
+
+
+def _native_status(device: str) -> bool:
+    from kvcomp.kernels import cpu_native
+
+    return device == "cpu" and cpu_native.enabled() and cpu_native.load() is not None
+
+
+# -- output --------------------------------------------------------------------------------------------------
+COLUMNS = [
+    ("context", "context", "{:d}"),
+    ("compressor", "compressor", "{}"),
+    ("prefill_tok_s", "prefill tok/s", "{:.0f}"),
+    ("prefill_slowdown", "prefill x none", "{:.2f}"),
+    ("decode_tok_s", "decode tok/s", "{:.2f}"),
+    ("decode_ms_per_token", "ms/token", "{:.1f}"),
+    ("decode_speedup", "decode speedup", "{:.2f}"),
+    ("kv_bytes", "KV MiB", None),
+    ("memory_factor", "memory factor", "{:.2f}"),
+    ("peak_rise_mb", "prefill RSS rise MiB", "{:.0f}"),
+    ("roofline_ms", "roofline ms", "{:.1f}"),
+    ("roofline_fraction", "of roofline", "{:.2f}"),
+]
+
+
+def _cell(row: dict, key: str, fmt: str | None) -> str:
+    value = row.get(key)
+    if value is None:
+        return ""
+    if key == "kv_bytes":
+        return f"{value / 2**20:.1f}"
+    return fmt.format(value)
+
+
+def print_table(rows: list[dict], title: str = "kvcomp bench") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for _, header, _ in COLUMNS:
+        table.add_column(header, justify="left" if header == "compressor" else "right")
+    for row in rows:
+        table.add_row(*[_cell(row, key, fmt) for key, _, fmt in COLUMNS])
+    Console(width=200).print(table)
+
+
+def write_outputs(rows: list[dict], meta: dict, out: Path) -> dict[str, Path]:
+    import csv
+
+    out.mkdir(parents=True, exist_ok=True)
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    with open(out / "bench.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    files = {"csv": out / "bench.csv", "json": out / "bench.json"}
+    if rows:
+        files["plot"] = plot(rows, out / "bench.png", meta)
+    return files
+
+
+def plot(rows: list[dict], path: Path, meta: dict | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.2))
+    axes = fig.subplots(1, 3)
+    labels = list(dict.fromkeys(r["compressor"] for r in rows))
+    for label in labels:
+        mine = sorted((r for r in rows if r["compressor"] == label), key=lambda r: r["context"])
+        x = [r["context"] for r in mine]
+        line = axes[0].plot(x, [r["decode_ms_per_token"] for r in mine], marker="o", label=label)[0]
+        axes[0].plot(x, [r["roofline_ms"] for r in mine], linestyle=":", color=line.get_color())
+        axes[1].plot(x, [r["kv_bytes"] / 2**20 for r in mine], marker="o", label=label)
+        axes[2].plot(x, [r["prefill_tok_s"] for r in mine], marker="o", label=label)
+    titles = ["decode ms/token (dotted: memory roofline)", "resident KV (MiB)", "prefill tokens/s"]
+    for ax, title in zip(axes, titles):
+        ax.set_title(title)
+        ax.set_xlabel("context tokens")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    if meta:
+        fig.suptitle(f"copy bandwidth {meta['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s, {meta['threads']} threads, "
+                     f"dtype {meta['config']['dtype']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from experiments.cli import main as cli_main
+
+    return cli_main(["bench", *(argv or [])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(__import__("sys").argv[1:]))

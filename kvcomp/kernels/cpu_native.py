@@ -1,0 +1,336 @@
+"""A fused C kernel for quantized decode attention on the CPU, compiled on first use.
+
+Torch on a CPU runs a decode step's attention as a series of passes over memory (unpack, convert, scale,
+matmul); over a quantized cache that costs more than plain attention over the float cache, which is why
+KIVI-style implementations are often *slower* than no compression on CPUs. This kernel does what the Triton
+kernel does on a GPU: one pass over the packed codes per (row, KV head), dequantizing in registers, the
+query group sharing every byte read (logits of all query rows, one softmax, then values).
+
+It is compiled with the system C compiler (``$CC``, default ``cc``) into ``$KVCOMP_CACHE/kernels`` the first
+time it is needed (about a second) and loaded with ctypes. Float32 CPU tensors only; anything else, no
+compiler, or ``KVCOMP_NATIVE=0`` falls back to :func:`kvcomp.kernels.quant_cpu.quant_attention`. Same
+signature and result as :func:`kvcomp.kernels.quant_ref.quant_attention`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* One token's codes as floats in plane-major order: column p * W + j holds channel j * P + p (code p of byte
+   j), so every loop is contiguous and vectorises. */
+static inline void unpack_planes(const uint8_t* restrict src, int64_t w, int bits, float* restrict dst) {
+    const int per_byte = 8 / bits, mask = (1 << bits) - 1;
+    for (int p = 0; p < per_byte; p++) {
+        const int shift = p * bits;
+        float* o = dst + p * w;
+        for (int64_t j = 0; j < w; j++) o[j] = (float)((src[j] >> shift) & mask);
+    }
+}
+
+static inline float dot(const float* restrict a, const float* restrict b, int64_t d) {
+    float s = 0.0f;
+    if (d == 64) { for (int i = 0; i < 64; i++) s += a[i] * b[i]; return s; }  /* the common head dims, */
+    if (d == 128) { for (int i = 0; i < 128; i++) s += a[i] * b[i]; return s; } /* unrolled by the compiler */
+    for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* o[i] += a * x[i] for i < n (the common sizes unrolled). */
+static inline void axpy(float* restrict o, float a, const float* restrict x, int64_t n) {
+    if (n == 64) { for (int i = 0; i < 64; i++) o[i] += a * x[i]; return; }
+    if (n == 128) { for (int i = 0; i < 128; i++) o[i] += a * x[i]; return; }
+    for (int64_t i = 0; i < n; i++) o[i] += a * x[i];
+}
+
+/* o[i] = a * x[i] for i < n. */
+static inline void scale(float* restrict o, float a, const float* restrict x, int64_t n) {
+    if (n == 16) { for (int i = 0; i < 16; i++) o[i] = a * x[i]; return; }
+    if (n == 32) { for (int i = 0; i < 32; i++) o[i] = a * x[i]; return; }
+    for (int64_t i = 0; i < n; i++) o[i] = a * x[i];
+}
+
+/* q [BH, M, D] (row m is query m % n); qpos [B, n]; kc, vc [BH, L, W]; ks, kz [BH, L / G, D]; vs, vz [BH, L, J];
+   pos [BH, L]; rk, rv [BH, R, D]; rpos [BH, R]; out [BH, M, D]; logits [BH, M, L + R];
+   work [BH * chunks, M * D + 2 * D + G * D]; partial [BH * chunks, M, D]. Each row's groups are split into `chunks` ranges
+   that threads take in parallel (keys, then values into per-chunk partial sums).
+   Needs D % P == 0 and (D / J) % P == 0 (P = 8 / bits codes per byte). */
+void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const float* ks, const float* kz,
+                         const uint8_t* vc, const float* vs, const float* vz, const int32_t* pos,
+                         const float* rk, const float* rv, const int32_t* rpos, float* out, float* logits,
+                         float* work, float* partial, int64_t B, int64_t H, int64_t M, int64_t n, int64_t L,
+                         int64_t G, int64_t R, int64_t D, int64_t J, int64_t W, int64_t chunks, int bits,
+                         float scaling, int threads) {
+    const int64_t BH = B * H, T = L + R, P = 8 / bits, run = D / J / P;  /* run: columns of a channel group per plane */
+    const int64_t NG = L / G, per_chunk = (NG + chunks - 1) / chunks;
+    int64_t first[BH > 0 ? BH : 1], channel[D > 0 ? D : 1];  /* channel[c]: original channel of column c */
+    for (int64_t c = 0; c < D; c++) channel[c] = (c % W) * P + c / W;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            int64_t lowest = INT64_MAX;
+            for (int64_t t = 0; t < L; t++) if (pos[bh * L + t] < lowest) lowest = pos[bh * L + t];
+            for (int64_t t = 0; t < R; t++) if (rpos[bh * R + t] < lowest) lowest = rpos[bh * R + t];
+            first[bh] = lowest;
+        }
+        /* Keys: logit = sum_d (q_d * s_d) * c_d + sum_d q_d * z_d, with s, z shared by a group of G tokens. */
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                const float* qb = q + bh * M * D;
+                const int64_t* qp = qpos + (bh / H) * n;
+                float* lg = logits + bh * M * T;
+                int64_t row_pos[M > 0 ? M : 1];  /* each query row's position, or +inf when it sees every slot */
+                for (int64_t m = 0; m < M; m++) row_pos[m] = first[bh] > qp[m % n] ? INT64_MAX : qp[m % n];
+                float* scaled_q = work + (bh * chunks + chunk) * (M * D + 2 * D + G * D);  /* plane-major q * key scale */
+                float* codes = scaled_q + M * D;
+                const int64_t g_end = (chunk + 1) * per_chunk < NG ? (chunk + 1) * per_chunk : NG;
+                for (int64_t grp = chunk * per_chunk; grp < g_end; grp++) {
+                    const float* s = ks + (bh * NG + grp) * D;
+                    const float* z = kz + (bh * NG + grp) * D;
+                    float bias[M > 0 ? M : 1];
+                    for (int64_t m = 0; m < M; m++) {
+                        for (int64_t c = 0; c < D; c++) scaled_q[m * D + c] = qb[m * D + channel[c]] * s[channel[c]];
+                        bias[m] = dot(qb + m * D, z, D);
+                    }
+                    for (int64_t t = grp * G; t < (grp + 1) * G; t++) {
+                        unpack_planes(kc + (bh * L + t) * W, W, bits, codes);
+                        const int32_t kp = pos[bh * L + t];
+                        int64_t m = 0;
+                        for (; m + 4 <= M; m += 4) {  /* four query rows per pass over the codes */
+                            const float *s0 = scaled_q + m * D, *s1 = s0 + D, *s2 = s1 + D, *s3 = s2 + D;
+                            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+                            for (int64_t c = 0; c < D; c++) {
+                                const float x = codes[c];
+                                a0 += s0[c] * x; a1 += s1[c] * x; a2 += s2[c] * x; a3 += s3[c] * x;
+                            }
+                            const float dots[4] = {a0, a1, a2, a3};
+                            for (int r = 0; r < 4; r++)
+                                lg[(m + r) * T + t] = kp <= row_pos[m + r] ? (dots[r] + bias[m + r]) * scaling : -INFINITY;
+                        }
+                        if (m + 3 <= M) {  /* three rows (a GQA group of 3) in one pass */
+                            const float *s0 = scaled_q + m * D, *s1 = s0 + D, *s2 = s1 + D;
+                            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
+                            for (int64_t c = 0; c < D; c++) {
+                                const float x = codes[c];
+                                a0 += s0[c] * x; a1 += s1[c] * x; a2 += s2[c] * x;
+                            }
+                            lg[m * T + t] = kp <= row_pos[m] ? (a0 + bias[m]) * scaling : -INFINITY;
+                            lg[(m + 1) * T + t] = kp <= row_pos[m + 1] ? (a1 + bias[m + 1]) * scaling : -INFINITY;
+                            lg[(m + 2) * T + t] = kp <= row_pos[m + 2] ? (a2 + bias[m + 2]) * scaling : -INFINITY;
+                            m += 3;
+                        }
+                        for (; m < M; m++)
+                            lg[m * T + t] = kp <= row_pos[m] ? (dot(scaled_q + m * D, codes, D) + bias[m]) * scaling : -INFINITY;
+                    }
+                }
+            }
+        }
+        /* Residual keys, then a softmax per query row (every row sees at least one slot). */
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            for (int64_t m = 0; m < M; m++) {
+                const int64_t qpm = qpos[(bh / H) * n + m % n];
+                float* row = logits + (bh * M + m) * T;
+                for (int64_t t = 0; t < R; t++) {
+                    const int visible = rpos[bh * R + t] <= qpm || first[bh] > qpm;
+                    row[L + t] = visible ? dot(q + (bh * M + m) * D, rk + (bh * R + t) * D, D) * scaling : -INFINITY;
+                }
+                float top = -INFINITY, sum = 0.0f;
+                for (int64_t t = 0; t < T; t++) top = row[t] > top ? row[t] : top;
+                for (int64_t t = 0; t < T; t++) { row[t] = expf(row[t] - top); sum += row[t]; }
+                const float inv = 1.0f / sum;
+                for (int64_t t = 0; t < T; t++) row[t] *= inv;
+            }
+        }
+        /* Values: acc_c += (p * s_j) * c_c + p * z_j, j the channel group of column c. */
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                const float* lg = logits + bh * M * T;
+                float* acc = partial + (bh * chunks + chunk) * M * D;
+                float* zero_acc = work + (bh * chunks + chunk) * (M * D + 2 * D + G * D);  /* [M, J]: sum of p * z_j */
+                float* codes = zero_acc + M * D;
+                float* block = codes + 2 * D;  /* [G, D]: one group's codes * their token's channel-group scale */
+                memset(acc, 0, sizeof(float) * M * D);
+                memset(zero_acc, 0, sizeof(float) * M * J);
+                const int64_t t_end = (chunk + 1) * per_chunk * G < L ? (chunk + 1) * per_chunk * G : L;
+                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end; t0 += G) {
+                    for (int64_t t = t0; t < t0 + G; t++) {
+                        unpack_planes(vc + (bh * L + t) * W, W, bits, codes);
+                        const float* s = vs + (bh * L + t) * J;
+                        const float* z = vz + (bh * L + t) * J;
+                        float* scaled = block + (t - t0) * D;
+                        for (int64_t plane = 0; plane < P; plane++)
+                            for (int64_t j = 0; j < J; j++)
+                                scale(scaled + plane * W + j * run, s[j], codes + plane * W + j * run, run);
+                        for (int64_t m = 0; m < M; m++)
+                            for (int64_t j = 0; j < J; j++) zero_acc[m * J + j] += lg[m * T + t] * z[j];
+                    }
+                    /* Each query row walks the group with its accumulator in registers (D = 64 unrolled). */
+                    for (int64_t m = 0; m < M; m++) {
+                        const float* p = lg + m * T + t0;
+                        float* o = acc + m * D;
+                        if (D == 64) {
+                            float r[64];
+                            for (int c = 0; c < 64; c++) r[c] = o[c];
+                            for (int64_t i = 0; i < G; i++)
+                                for (int c = 0; c < 64; c++) r[c] += p[i] * block[i * 64 + c];
+                            for (int c = 0; c < 64; c++) o[c] = r[c];
+                        } else {
+                            for (int64_t i = 0; i < G; i++) axpy(o, p[i], block + i * D, D);
+                        }
+                    }
+                }
+                for (int64_t m = 0; m < M; m++)  /* the zero points' term, once per column */
+                    for (int64_t plane = 0; plane < P; plane++)
+                        for (int64_t j = 0; j < J; j++)
+                            for (int64_t i = 0; i < run; i++) acc[m * D + plane * W + j * run + i] += zero_acc[m * J + j];
+            }
+        }
+        /* Sum the chunks in the original channel order, then the residual values. */
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            float* ob = out + bh * M * D;
+            memset(ob, 0, sizeof(float) * M * D);
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                const float* acc = partial + (bh * chunks + chunk) * M * D;
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t c = 0; c < D; c++) ob[m * D + channel[c]] += acc[m * D + c];
+            }
+            const float* lg = logits + bh * M * T;
+            for (int64_t t = 0; t < R; t++) {
+                const float* v = rv + (bh * R + t) * D;
+                for (int64_t m = 0; m < M; m++) {
+                    const float p = lg[m * T + L + t];
+                    float* o = ob + m * D;
+                    for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
+                }
+            }
+        }
+    }
+}
+"""
+
+# Reductions vectorise with reassociation; -ffinite-math-only (part of -ffast-math) would break -inf masking.
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math"]
+_lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
+
+
+def enabled() -> bool:
+    return os.environ.get("KVCOMP_NATIVE", "1") != "0"
+
+
+def _build_dir() -> Path:
+    from kvcomp.models import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None (with one warning) when it cannot be built."""
+    global _lib
+    if _lib is None:
+        _lib = _compile() or False
+    return _lib or None
+
+
+def _compile() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC", "cc")
+    digest = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler + sys.platform).encode()).hexdigest()[:16]
+    target = _build_dir() / f"quant_attention_{digest}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                src = Path(tmp) / "quant_attention.c"
+                src.write_text(SOURCE)
+                built = Path(tmp) / target.name
+                subprocess.run([compiler, *FLAGS, str(src), "-o", str(built), "-lm"], check=True,
+                               capture_output=True, timeout=120)
+                os.replace(built, target)  # atomic: concurrent processes never load a half-written file
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", b"") or b""
+        warnings.warn(f"kvcomp: the native CPU kernel is unavailable ({err} {detail.decode()[:300]}); "
+                      "using the torch implementation.", stacklevel=3)
+        return None
+    fn = lib.quant_attention_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 11 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def supports(q: torch.Tensor, value_scale: torch.Tensor, bits: int, *tensors: torch.Tensor) -> bool:
+    """Whether :func:`quant_attention` runs these inputs: float32 CPU tensors, and value channel groups made of
+    whole bit planes (``(D / J) % (8 / bits) == 0``)."""
+    d, per_byte = q.shape[-1], 8 // bits
+    return (enabled() and q.device.type == "cpu" and q.dtype == torch.float32
+            and all(t.dtype == torch.float32 for t in (value_scale, *tensors))
+            and d % value_scale.shape[-1] == 0 and (d // value_scale.shape[-1]) % per_byte == 0
+            and load() is not None)
+
+
+def quant_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    positions: torch.Tensor,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    residual_positions: torch.Tensor,
+    bits: int,
+    scaling: float,
+    block_tokens: int = 1024,
+    sentinel: int = 2**30,
+) -> torch.Tensor:
+    """See :func:`kvcomp.kernels.quant_ref.quant_attention` (float32 CPU tensors; ``block_tokens`` unused:
+    the kernel holds one token's codes at a time)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernel is unavailable; use kvcomp.kernels.quant_cpu.quant_attention")
+    b, hq, n, d = q.shape
+    h, n_groups, group = positions.shape[1], positions.shape[2], positions.shape[3]
+    r = residual_positions.shape[-1]
+    rows = hq // h * n
+    length = n_groups * group
+    tensors = [
+        q.reshape(b, h, rows, d).contiguous(), q_pos.to(torch.int64).contiguous(),
+        key_codes.contiguous(), key_scale.contiguous(), key_zero.contiguous(),
+        value_codes.contiguous(), value_scale.contiguous(), value_zero.contiguous(),
+        positions.to(torch.int32).contiguous(),
+        residual_keys.contiguous(), residual_values.contiguous(), residual_positions.to(torch.int32).contiguous(),
+    ]
+    threads = max(1, torch.get_num_threads())
+    # Split each row's groups over the threads when there are fewer (row, KV head) pairs than threads.
+    chunks = max(1, min(n_groups, -(-2 * threads // (b * h)))) if threads > 1 else 1
+    out = torch.empty(b, h, rows, d, dtype=torch.float32)
+    logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
+    work = torch.empty(b * h * chunks, rows * d + 2 * d + group * d, dtype=torch.float32)
+    partial = torch.empty(b * h * chunks, rows, d, dtype=torch.float32)
+    lib.quant_attention_f32(
+        *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
+        b, h, rows, n, length, group, r, d, value_scale.shape[-1], key_codes.shape[-1], chunks, bits,
+        float(scaling), threads,
+    )
+    return out.reshape(b, hq, n, d)

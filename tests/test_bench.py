@@ -1,0 +1,61 @@
+"""kvcomp bench on the tiny model: rows, ratios against none, and the files it writes."""
+
+import csv
+import json
+
+import pytest
+
+from experiments.bench import BenchConfig, build_compressor, copy_bandwidth, parse_spec, run_bench
+from experiments.cli import main
+
+
+def test_parse_spec():
+    assert parse_spec("none") == ("none", {})
+    assert parse_spec("quant:bits=2,group_size=16") == ("quant", {"bits": 2, "group_size": 16})
+    with pytest.raises(ValueError, match="key=value"):
+        parse_spec("snapkv:0.5")
+
+
+def test_defaults_fill_ratio_and_bits():
+    config = BenchConfig(compression_ratio=0.5, quant_bits=2)
+    label, compressor = build_compressor("snapkv", config)
+    assert compressor.compression_ratio == 0.5 and label == "snapkv(compression_ratio=0.5)"
+    _, compressor = build_compressor("quant", config)
+    assert compressor.bits == 2
+    _, compressor = build_compressor("snapkv:budget=8", config)
+    assert compressor.budget == 8 and compressor.compression_ratio == 0.0
+    assert build_compressor("none", config) == ("none", None)
+
+
+def test_copy_bandwidth_is_plausible():
+    assert 1e8 < copy_bandwidth("cpu", megabytes=16, repeats=2) < 1e13
+
+
+def test_bench_on_tiny_model_writes_table_csv_and_plot(tiny, tmp_path):
+    model, tokenizer = tiny
+    config = BenchConfig(contexts=[48, 96], compressors=["snapkv", "quant:bits=4,group_size=16,residual=16"],
+                         decode_steps=3, out=str(tmp_path))
+    rows = run_bench(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
+    assert [(r["context"], r["compressor"].split("(")[0]) for r in rows] == [
+        (c, name) for c in (48, 96) for name in ("none", "snapkv", "quant")]
+    for row in rows:
+        assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["peak_rss_mb"] > 0
+        assert row["peak_rise_mb"] >= 0
+        assert row["roofline_ms"] > 0 and row["step_bytes"] > row["kv_bytes"]
+    none, snap, quant = rows[3:]
+    assert none["decode_speedup"] == 1.0 and none["memory_factor"] == 1.0
+    # layers x (K, V) x KV heads x (prompt + decoded tokens) x D x float32
+    assert none["kv_bytes"] == 2 * 2 * 2 * (96 + 3) * 16 * 4
+    assert snap["memory_factor"] > 3  # a quarter of the prompt plus the decoded tokens
+    assert quant["memory_factor"] > 1.5
+    with open(tmp_path / "bench.csv") as f:
+        assert len(list(csv.DictReader(f))) == 6
+    meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
+    assert meta["copy_bandwidth_bytes_s"] > 0 and meta["weight_bytes"] > 0
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    model.set_attn_implementation("kvcomp")  # the session fixture is shared
+
+
+def test_cli_bench_rejects_unknown_compressor_before_loading(capsys):
+    assert main(["bench", "--compressors", "nope", "--contexts", "16"]) == 2
+    assert "nope" in capsys.readouterr().err
