@@ -237,7 +237,7 @@ def decode_blocks(blocks: list[list[list[bytes]]], segments: list[list[tuple[int
     n = next(struct.unpack_from("<H", f)[0] for row in blocks for head in row for f in head)
     stored = max(sum(c for kind, _, c in head if kind == k) for head in segments for k in range(2))
     positions = np.full((rows, heads, n_blocks, n), SENTINEL, dtype=np.int64)
-    codes = np.zeros((2, rows, heads, n_blocks, stored, n), dtype=np.uint8)  # component-major, as coded
+    codes = np.zeros((2, rows, heads, n_blocks, n, stored), dtype=np.uint8)
     for h in range(heads):
         sizes = [-(-n * c // _PER_BYTE[b]) for _, b, c in segments[h]]
         header = _block_header(len(sizes))
@@ -267,11 +267,9 @@ def decode_blocks(blocks: list[list[list[bytes]]], segments: list[list[tuple[int
         raw = raw.reshape(rows, n_blocks, -1)
         at, filled = 0, [0, 0]
         for (kind, b, c), size in zip(segments[h], sizes):
-            codes[kind, :, h, :, filled[kind]:filled[kind] + c] = (
-                _unpack(raw[..., at:at + size], b)[..., : n * c].reshape(rows, n_blocks, c, n))
+            codes[kind, :, h, :, :, filled[kind]:filled[kind] + c] = (  # component-major as coded -> token-major
+                _unpack(raw[..., at:at + size], b)[..., : n * c].reshape(rows, n_blocks, c, n).transpose(0, 1, 3, 2))
             at, filled[kind] = at + size, filled[kind] + c
-    # one transposing copy to token-major (numpy's strided uint8 copy is several times faster than torch's)
-    codes = np.ascontiguousarray(codes.transpose(0, 1, 2, 3, 5, 4))
     return positions.reshape(rows, heads, -1), codes.reshape(2, rows, heads, n_blocks * n, stored)
 
 
