@@ -30,7 +30,7 @@ in, ``codes @ weight + offset``) and RoPE from a cos/sin table indexed by positi
 the online softmax applies its probabilities to them and projects the ``[B, H_kv, G * n, S]`` result once
 (cheap for a few queries, instead of reconstructing every value). Then the sinks and the window. Nothing
 decoded is kept between steps, so each decode step entropy-decodes the whole coded cache: on SmolLM2-135M at
-4K tokens (one thread, shared CPU) a step takes about 0.5-0.6 s against 1.15-1.3 s before this decoding
+4K tokens (one thread, shared CPU) a step takes about 0.5-0.6 s against 1.1-1.4 s before this decoding
 and 0.14 s uncompressed; zstd's per-frame cost (~27K small frames a step) and the keys' matmul are its floor.
 :meth:`KVTC.materialize` (for composition after KVTC and for tests) does reconstruct everything at once.
 
