@@ -22,12 +22,16 @@ full-precision sink and window tensors (K, V, int32 positions) and the ``[B, H_k
 tokens. The calibration artifact (bases, means, steps) is shared by every sequence of the model:
 :meth:`KVTC.basis_bytes` reports it once, and it is not in ``nbytes()``.
 
-Decoding. :meth:`KVTC.attend` never materializes the whole reconstructed cache: it entropy-decodes up to
-``_DECODE_TOKENS`` (1024) coded tokens of each row and KV head of one layer at a time, reconstructs them (``[B, H_kv, T, D]``
-keys and values in float32, RoPE re-applied, plus their ``[B, H_kv, T, D]`` uint8 codes) and folds them into an
-online softmax, then the sinks and the window. Nothing decoded is kept between steps, so every decode step
-entropy-decodes the whole coded cache: on SmolLM2-135M at 4K tokens on 2 CPU cores that is about 2.5-3 s a
-step against 0.35 s for the uncompressed cache (zstd calls and numpy unpacking in Python; no kernel yet).
+Decoding. :meth:`KVTC.attend` never materializes the whole reconstructed cache. It entropy-decodes all coded
+blocks of a layer into uint8 codes (``[2, B, H_kv, T, S]``, a quarter of float32 K/V; one zstd call per KV head
+reads across all its frames, one table gather per segment unpacks them) and turns ``_DECODE_TOKENS`` (1024)
+tokens at a time into floats: keys by one batched matmul of the codes with the basis (dequantization folded
+in, ``codes @ weight + offset``) and RoPE from a cos/sin table indexed by position; values stay coefficients,
+the online softmax applies its probabilities to them and projects the ``[B, H_kv, G * n, S]`` result once
+(cheap for a few queries, instead of reconstructing every value). Then the sinks and the window. Nothing
+decoded is kept between steps, so each decode step entropy-decodes the whole coded cache: on SmolLM2-135M at
+4K tokens (one thread, shared CPU) a step takes about 0.5-0.6 s against 1.1-1.4 s before this decoding
+and 0.14 s uncompressed; zstd's per-frame cost (~27K small frames a step) and the keys' matmul are its floor.
 :meth:`KVTC.materialize` (for composition after KVTC and for tests) does reconstruct everything at once.
 
 Composition. Token selection before KVTC (``Compose(SnapKV(0.5), KVTC())``) hands over each KV head's kept
@@ -48,7 +52,7 @@ from kvcomp import transform_coding as tc
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
 from kvcomp.selection import TokenStore, compact
 
-_DECODE_TOKENS = 1024  # coded tokens reconstructed at a time in attend()
+_DECODE_TOKENS = 1024  # coded tokens reconstructed (as float32) at a time in attend()
 
 
 @dataclass
@@ -117,8 +121,11 @@ class KVTC(Compressor):
         return self.calibration.nbytes()
 
     def codec(self, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Per-layer tensors for coding: basis ``[H, 2, D, D]``, mean, step and level ``[H, 2, D]`` (step 0
-        for dropped components) on ``device``, and bits ``[H, 2, D]`` (CPU)."""
+        """Per-layer tensors: for coding, basis ``[H, 2, D, D]``, mean, step and level ``[H, 2, D]`` (step 0
+        for dropped components) on ``device`` and bits ``[H, 2, D]`` (CPU); for decoding, ``weight``
+        ``[H, 2, S, D]`` and ``offset`` ``[H, 2, D]`` with ``codes @ weight + offset`` the reconstruction of
+        the ``S`` stored codes in :func:`kvcomp.transform_coding.coding_order` (dequantization folded in),
+        and the :func:`kvcomp.transform_coding.block_segments` of each KV head's blocks."""
         key = (layer, torch.finfo(dtype).bits, str(device))
         if key not in self._codecs:
             cal = self.calibration
@@ -130,9 +137,26 @@ class KVTC(Compressor):
             step = torch.zeros(bits.shape)
             for b, i in index.items():
                 step = torch.where(bits == b, steps[:, :, i], step)
+            level, basis, mean = tc.max_level(bits).float(), cal.basis[layer].float(), cal.mean[layer].float()
+            scaled = basis * step[..., None]  # [H, 2, C, D]: dequantization is (code - level) * step
+            offset = mean - torch.einsum("hkc,hkcd->hkd", level, scaled)
+            weight = torch.zeros(*bits.shape[:2], int((bits > 0).sum(-1).max()), basis.shape[-1])
+            for h, kind in np.ndindex(*bits.shape[:2]):
+                order = torch.from_numpy(tc.coding_order(bits[h, kind].numpy()))
+                weight[h, kind, : len(order)] = scaled[h, kind, order]
             self._codecs[key] = dict(basis=cal.basis[layer].to(device), mean=cal.mean[layer].to(device),
-                                     step=step.to(device), level=tc.max_level(bits).float().to(device), bits=bits,
-                                     inv_freq=cal.inv_freq.to(device))
+                                     step=step.to(device), level=level.to(device), bits=bits,
+                                     inv_freq=cal.inv_freq.to(device), weight=weight.to(device),
+                                     offset=offset.to(device), segments=tc.block_segments(bits.numpy()))
+        return self._codecs[key]
+
+    def rope_table(self, length: int, device: torch.device | str):
+        """cos, sin ``[>= length, D]`` float32 by position (grown by doubling, shared by all layers)."""
+        key = ("rope", str(device))
+        if key not in self._codecs or self._codecs[key][0].shape[0] < length:
+            size = max(4096, 1 << (length - 1).bit_length())
+            inv_freq = self.calibration.inv_freq.to(device)
+            self._codecs[key] = tc.rope_table(size, inv_freq, self.calibration.attention_scaling)
         return self._codecs[key]
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -185,42 +209,39 @@ class KVTC(Compressor):
         return codes[0], codes[1], positions.cpu().numpy()
 
     def _decoded_chunks(self, layer: int, state: KVTCState, dtype: torch.dtype, per_chunk: int):
-        """Yield reconstructed ``(keys, values, positions)`` of ``per_chunk`` blocks at a time, ``[B, H, T, D]``
-        float32 (RoPE re-applied) and ``[B, H, T]`` (SENTINEL where a row or head has fewer blocks)."""
+        """Yield ``(keys, value coefficients, positions)`` of ``per_chunk`` tokens at a time: keys
+        ``[B, H, T, D]`` float32 (reconstructed, RoPE re-applied), values ``[B, H, T, S]`` float32 with
+        :meth:`reconstruct_values` the values they stand for, positions ``[B, H, T]`` (SENTINEL where a row
+        or head has fewer blocks). The whole layer is entropy-decoded at once (uint8 codes, a quarter of
+        float32 K/V: few large zstd and numpy calls); only ``per_chunk`` tokens at a time become floats."""
         device = state.window.keys.device
         codec = self.codec(layer, dtype, device)
-        cal = self.calibration
-        b, h, d = len(state.blocks), len(state.blocks[0]), codec["basis"].shape[-1]
-        bits = codec["bits"].numpy()
-        widths = [[tc.segment_widths(bits[j, kind]) for kind in range(2)] for j in range(h)]
         n_max = max(len(blocks) for row in state.blocks for blocks in row)
-        for start in range(0, n_max, per_chunk):
-            t = min(per_chunk, n_max - start) * self.block_size
-            codes = np.zeros((2, b, h, t, d), dtype=np.uint8)
-            pos = np.full((b, h, t), SENTINEL, dtype=np.int64)
-            for i in range(b):
-                for j in range(h):
-                    spec = [(w, int(cols.sum())) for ws in widths[j] for w, cols in ws]
-                    targets = [(kind, cols) for kind in range(2) for _, cols in widths[j][kind]]
-                    p, segments = tc.decode_blocks(state.blocks[i][j][start:start + per_chunk], spec)
-                    pos[i, j, : len(p)] = p
-                    for (kind, cols), seg in zip(targets, segments):
-                        codes[kind, i, j, : len(p)][:, cols] = seg
-            codes_t, pos_t = torch.from_numpy(codes).to(device), torch.from_numpy(pos).to(device)
-            out = []
-            for kind in range(2):
-                y = tc.dequantize(codes_t[kind], codec["step"][:, kind, None], codec["level"][:, kind, None])
-                out.append(torch.einsum("bhtc,hcd->bhtd", y, codec["basis"][:, kind]) + codec["mean"][:, kind, None])
-            keys = tc.apply_rope(out[0], pos_t.clamp(max=SENTINEL - 1), codec["inv_freq"], cal.attention_scaling)
-            yield keys, out[1], pos_t
+        pos, codes = tc.decode_blocks(state.blocks, codec["segments"], n_max)
+        pos, codes = torch.from_numpy(pos).to(device), torch.from_numpy(codes).to(device)
+        cos_table, sin_table = self.rope_table(int(pos.masked_fill(pos >= SENTINEL, 0).max()) + 1, device)
+        for start in range(0, pos.shape[-1], per_chunk):
+            p, coeffs = pos[..., start:start + per_chunk], codes[:, :, :, start:start + per_chunk].float()
+            keys = torch.matmul(coeffs[0], codec["weight"][:, 0]) + codec["offset"][:, 0, None]  # [B, H, T, D]
+            index = p.masked_fill(p >= SENTINEL, 0)
+            if bool((index == index[:1, :1]).all()):  # the usual case: all rows and heads hold the same tokens
+                index = index[0, 0]
+            cos, sin = (t.index_select(0, index.reshape(-1)).view(*index.shape, -1) for t in (cos_table, sin_table))
+            yield tc.rotate(keys, cos, sin), coeffs[1], p
+
+    def reconstruct_values(self, layer: int, coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Value coefficients ``[B, H, T, S]`` from :meth:`_decoded_chunks` -> values ``[B, H, T, D]`` float32."""
+        codec = self.codec(layer, dtype, coeffs.device)
+        return torch.matmul(coeffs, codec["weight"][:, 1]) + codec["offset"][:, 1, None]
 
     def materialize(self, state: KVTCState):
         """Everything reconstructed at once (for composition and tests; attend() does not call this)."""
         dtype = state.window.keys.dtype
         parts = [(state.sinks.keys, state.sinks.values, state.sinks.positions)]
         if int(state.coded_tokens.max()):
-            chunks = self._decoded_chunks(state.layer, state, dtype, per_chunk=1 << 30)
-            parts += [(k.to(dtype), v.to(dtype), p.to(torch.int32)) for k, v, p in chunks]
+            for k, c, p in self._decoded_chunks(state.layer, state, dtype, per_chunk=1 << 62):
+                v = self.reconstruct_values(state.layer, c, dtype)
+                parts.append((k.to(dtype), v.to(dtype), p.to(torch.int32)))
         parts.append((state.window.keys, state.window.values, state.window.positions))
         return tuple(torch.cat([p[i] for p in parts], dim=2) for i in range(3))
 
@@ -228,9 +249,9 @@ class KVTC(Compressor):
         acc = tc.OnlineSoftmax(q, ctx.query_positions, state.window.keys.shape[1], ctx.scaling)
         acc.step(state.sinks.keys, state.sinks.values, state.sinks.positions)
         if int(state.coded_tokens.max()):
-            per_chunk = max(1, _DECODE_TOKENS // self.block_size)
-            for k, v, p in self._decoded_chunks(layer, state, state.window.keys.dtype, per_chunk):
-                acc.step(k, v, p)
+            codec = self.codec(layer, state.window.keys.dtype, state.window.keys.device)
+            for k, c, p in self._decoded_chunks(layer, state, state.window.keys.dtype, _DECODE_TOKENS):
+                acc.step(k, c, p, codec["weight"][:, 1], codec["offset"][:, 1])
         acc.step(state.window.keys, state.window.values, state.window.positions)
         return acc.result()
 

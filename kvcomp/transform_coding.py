@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import zstandard
 
+from kvcomp.compressor import SENTINEL
+
 BITS = (0, 2, 4, 8)
 ZSTD_LEVEL = 9
 _PARAMS = zstandard.ZstdCompressionParameters.from_level(
@@ -42,9 +44,26 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dt
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
+def rope_table(length: int, inv_freq: torch.Tensor, scaling: float = 1.0):
+    """cos, sin ``[length, 2 * len(inv_freq)]`` float32 of positions ``0 .. length - 1`` (index them by
+    position instead of recomputing: the values are those :func:`apply_rope` computes)."""
+    return _cos_sin(torch.arange(length, device=inv_freq.device), inv_freq, scaling, torch.float32)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` on the first ``cos.shape[-1]`` channels of ``x`` ``[..., D]``
+    (float32), the rest unchanged; ``cos``, ``sin`` broadcast against ``x``."""
+    rot, half = cos.shape[-1], cos.shape[-1] // 2
+    out = x.clone() if rot < x.shape[-1] else torch.empty_like(x)
+    torch.mul(x[..., :rot], cos, out=out[..., :rot])
+    out[..., :half].addcmul_(x[..., half:rot], sin[..., :half], value=-1)
+    out[..., half:rot].addcmul_(x[..., :half], sin[..., half:])
+    return out
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0):
@@ -143,12 +162,25 @@ def _pack(codes: np.ndarray, bits: int) -> bytes:
 
 
 def _digits(bits: int) -> np.ndarray:
-    """``[256, k]`` lookup table: the base-``2m + 1`` digits of every byte (unpacking is one gather)."""
+    """``[256]`` lookup table whose entry for a byte holds its ``k`` base-``2m + 1`` digits as the low bytes of
+    one integer (a uint16 for ``k = 2``, a uint64 for ``k = 5``): unpacking is one gather of whole words,
+    several times faster in numpy than gathering ``[256, k]`` rows."""
     k, base = _PER_BYTE[bits], 2 * max_level(bits) + 1
-    return np.stack([(np.arange(256) // base**i) % base for i in range(k)], 1).astype(np.uint8)
+    digits = np.zeros((256, 2 if k == 2 else 8), dtype=np.uint8)
+    digits[:, :k] = np.stack([(np.arange(256) // base**i) % base for i in range(k)], 1)
+    return digits.view(np.uint16 if k == 2 else np.uint64).reshape(256)
 
 
-_DIGITS = {bits: _digits(bits) for bits in _PER_BYTE}
+_DIGITS = {bits: _digits(bits) for bits in (2, 4)}
+
+
+def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of :func:`_pack` along the last axis: ``[..., bytes]`` -> ``[..., bytes * k]`` codes."""
+    if bits == 8:
+        return packed
+    k = _PER_BYTE[bits]
+    words = _DIGITS[bits][packed].view(np.uint8).reshape(*packed.shape, -1)
+    return words.reshape(*packed.shape[:-1], -1) if k == 2 else words[..., :k].reshape(*packed.shape[:-1], -1)
 
 
 def segment_widths(bits: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -180,37 +212,65 @@ def encode_block(positions: np.ndarray, segments: list[tuple[int, np.ndarray]]) 
     return head + b"".join(frames)
 
 
-def decode_blocks(frames: list[bytes], widths: list[tuple[int, int]]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Inverse of :func:`encode_block` for blocks of equal length ``n``, given ``(bits, columns)`` of each
-    segment: positions ``[len(frames) * n]`` int64 and each segment's codes ``[len(frames) * n, columns]``
-    uint8 (the entropy decoding is per block; unpacking runs once over all of them)."""
-    if not frames:
-        return np.zeros(0, dtype=np.int64), [np.zeros((0, c), dtype=np.uint8) for _, c in widths]
-    header = _block_header(len(widths))
-    n = header.unpack_from(frames[0])[0]
-    out_sizes = [-(-n * c // _PER_BYTE[bits]) for bits, c in widths]
-    decompress = _DECOMPRESSOR.decompress
-    positions, raws = [], [[] for _ in widths]
-    for frame in frames:
-        _, contiguous, value, *lengths = header.unpack_from(frame)
-        view, at = memoryview(frame), header.size
-        if contiguous:
-            positions.append(np.arange(value, value + n, dtype=np.int64))
-        else:
-            raw = decompress(view[at:at + value], max_output_size=4 * n)
-            positions.append(np.cumsum(np.frombuffer(raw, dtype="<i4").astype(np.int64)))
-            at += value
-        for out, size, out_size in zip(raws, lengths, out_sizes):
-            out.append(decompress(view[at:at + size], max_output_size=out_size))
-            at += size
-    count = len(frames)
-    segments = []
-    for raw, (bits, c) in zip(raws, widths):
-        x = np.frombuffer(b"".join(raw), dtype=np.uint8).reshape(count, -1)
-        if _PER_BYTE[bits] > 1:
-            x = _DIGITS[bits][x].reshape(count, -1)
-        segments.append(x[:, : n * c].reshape(count, c, n).transpose(0, 2, 1).reshape(count * n, c))
-    return np.concatenate(positions), segments
+def coding_order(bits: np.ndarray) -> np.ndarray:
+    """The components of a ``[C]`` allocation in the order their codes are stored: by bit width (2, 4, 8),
+    then by index; dropped components (0 bits) are not stored."""
+    return np.concatenate([np.flatnonzero(bits == b) for b in BITS[1:]])
+
+
+def block_segments(bits: np.ndarray) -> list[list[tuple[int, int, int]]]:
+    """``(kind, bits, components)`` of the coded segments of each KV head's blocks, in coding order, for an
+    allocation ``bits`` ``[H, 2, C]`` (kind 0 keys, 1 values)."""
+    return [[(kind, b, int((bits[h, kind] == b).sum())) for kind in range(2) for b in BITS[1:]
+             if (bits[h, kind] == b).any()] for h in range(bits.shape[0])]
+
+
+def decode_blocks(blocks: list[list[list[bytes]]], segments: list[list[tuple[int, int, int]]], n_blocks: int):
+    """Inverse of :func:`encode_block` for the blocks of one layer: ``blocks[b][h]`` (at most ``n_blocks``,
+    each of ``n`` tokens) whose KV head ``h`` codes the :func:`block_segments` ``segments[h]``.
+
+    Returns positions ``[B, H, n_blocks * n]`` int64 (``SENTINEL`` past a row and head's last block) and
+    codes ``[2, B, H, n_blocks * n, S]`` uint8 (keys, values), the ``S`` columns the stored components in
+    :func:`coding_order`, zero-padded to the most any KV head stores. The frames of all blocks of a KV head
+    are decompressed by one call (zstd reads across frames); unpacking is one table gather per segment."""
+    rows, heads = len(blocks), len(blocks[0])
+    n = next(struct.unpack_from("<H", f)[0] for row in blocks for head in row for f in head)
+    stored = max(sum(c for kind, _, c in head if kind == k) for head in segments for k in range(2))
+    positions = np.full((rows, heads, n_blocks, n), SENTINEL, dtype=np.int64)
+    codes = np.zeros((2, rows, heads, n_blocks, n, stored), dtype=np.uint8)
+    for h in range(heads):
+        sizes = [-(-n * c // _PER_BYTE[b]) for _, b, c in segments[h]]
+        header = _block_header(len(sizes))
+        frames, firsts = [], np.full((rows, n_blocks), -1, dtype=np.int64)
+        for i in range(rows):
+            for j, block in enumerate(blocks[i][h]):
+                _, contiguous, value, *_ = header.unpack_from(block)
+                at = header.size
+                if contiguous:
+                    firsts[i, j] = value
+                else:  # a frame of position deltas
+                    raw = _DECOMPRESSOR.decompress(memoryview(block)[at:at + value], max_output_size=4 * n)
+                    positions[i, h, j] = np.cumsum(np.frombuffer(raw, dtype="<i4").astype(np.int64))
+                    at += value
+                frames.append(memoryview(block)[at:])
+        where = firsts >= 0
+        positions[:, h][where] = firsts[where][:, None] + np.arange(n)
+        raw = _DECOMPRESSOR.decompressobj(read_across_frames=True).decompress(b"".join(frames))
+        if len(raw) != len(frames) * sum(sizes):
+            raise ValueError(f"corrupt KVTC blocks: {len(raw)} decoded bytes, expected {len(frames) * sum(sizes)}")
+        raw = np.frombuffer(raw, dtype=np.uint8).reshape(len(frames), sum(sizes))
+        counts = [len(blocks[i][h]) for i in range(rows)]
+        if counts != [n_blocks] * rows:  # rows and heads with fewer blocks leave zeros (at SENTINEL positions)
+            full = np.zeros((rows * n_blocks, raw.shape[1]), dtype=np.uint8)
+            full[np.concatenate([i * n_blocks + np.arange(c) for i, c in enumerate(counts)])] = raw
+            raw = full
+        raw = raw.reshape(rows, n_blocks, -1)
+        at, filled = 0, [0, 0]
+        for (kind, b, c), size in zip(segments[h], sizes):
+            codes[kind, :, h, :, :, filled[kind]:filled[kind] + c] = (  # component-major as coded -> token-major
+                _unpack(raw[..., at:at + size], b)[..., : n * c].reshape(rows, n_blocks, c, n).transpose(0, 1, 3, 2))
+            at, filled[kind] = at + size, filled[kind] + c
+    return positions.reshape(rows, heads, -1), codes.reshape(2, rows, heads, n_blocks * n, stored)
 
 
 # -- attention -----------------------------------------------------------------------------------------------
@@ -232,7 +292,12 @@ class OnlineSoftmax:
         self.denom = torch.zeros_like(self.m)
         self.acc = torch.zeros(b, n_kv_heads, self.g * n, d, dtype=self.cdt, device=q.device)
 
-    def step(self, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor) -> None:
+    def step(self, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
+             v_weight: torch.Tensor | None = None, v_offset: torch.Tensor | None = None) -> None:
+        """Fold in one block. With ``v_weight`` ``[H_kv, S, D]`` and ``v_offset`` ``[H_kv, D]``, ``v``
+        ``[B, H_kv, L, S]`` holds coefficients of the values ``v @ v_weight + v_offset``: the probabilities
+        are applied to the coefficients and projected once (``p @ v @ v_weight``, cheap for few queries)
+        instead of reconstructing every value."""
         b, _, n, _ = self.shape
         length = k.shape[2]
         if length == 0:
@@ -246,7 +311,10 @@ class OnlineSoftmax:
         p = torch.exp(logits - m_safe)
         correction = torch.exp(self.m - m_safe)
         self.denom = self.denom * correction + p.sum(-1, keepdim=True)
-        self.acc = self.acc * correction + torch.matmul(p, v.to(self.cdt))
+        pv = torch.matmul(p, v.to(self.cdt))
+        if v_weight is not None:
+            pv = torch.matmul(pv, v_weight.to(self.cdt)) + p.sum(-1, keepdim=True) * v_offset[:, None].to(self.cdt)
+        self.acc = self.acc * correction + pv
         self.m = m_new
 
     def result(self) -> torch.Tensor:

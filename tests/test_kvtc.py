@@ -16,6 +16,7 @@ from kvcomp import Compose, CompressedCache, CompressorError, generate
 from kvcomp import kvtc_calibration as calibration
 from kvcomp import transform_coding as tc
 from kvcomp.attention import dense_attention
+from kvcomp.compressor import SENTINEL
 from kvcomp.metrics import fidelity
 from kvcomp.models import tiny_config
 from tests.helpers import CONTEXTS, QUESTIONS
@@ -208,18 +209,48 @@ def test_entropy_coding_beats_the_raw_quantized_size(tiny, artifact):
 
 
 # -- decoding ------------------------------------------------------------------------------------------------
-def test_blockwise_attend_equals_dense_attention_on_materialized_cache(tiny, artifact, monkeypatch):
+def test_decode_blocks_inverts_encode_block_on_ragged_blocks():
+    rng = np.random.default_rng(0)
+    bits = rng.choice(np.array(tc.BITS), size=(2, 2, 12))  # [H, 2, C]: each KV head its own allocation
+    bits[:, :, 0] = 8
+    n, counts = 16, [[3, 1], [0, 2]]  # blocks per row and KV head
+    segments = tc.block_segments(bits)
+    stored, levels = int((bits > 0).sum(-1).max()), tc.max_level(torch.from_numpy(bits)).numpy()
+    blocks, expected = [[[] for _ in range(2)] for _ in range(2)], np.zeros((2, 2, 2, 3 * n, stored), np.uint8)
+    for i, j in np.ndindex(2, 2):
+        for k in range(counts[i][j]):
+            codes = [rng.integers(0, 2 * levels[j, kind] + 1, size=(n, 12)).astype(np.uint8) for kind in (0, 1)]
+            contiguous = (i + k) % 2 == 0
+            pos = 100 * k + (np.arange(n) if contiguous else np.sort(rng.choice(90, n, replace=False)))
+            blocks[i][j].append(tc.encode_block(pos, [(b, codes[kind][:, bits[j, kind] == b]) for kind, b, _ in segments[j]]))
+            for kind in (0, 1):
+                order = tc.coding_order(bits[j, kind])
+                expected[kind, i, j, k * n:(k + 1) * n, : len(order)] = codes[kind][:, order]
+    positions, codes = tc.decode_blocks(blocks, segments, 3)
+    for i, j in np.ndindex(2, 2):
+        t = counts[i][j] * n
+        np.testing.assert_array_equal(codes[:, i, j, :t], expected[:, i, j, :t])
+        assert (positions[i, j, t:] == SENTINEL).all() and (positions[i, j, :t] < SENTINEL).all()
+        for k in range(counts[i][j]):  # the header's first position or the coded deltas
+            assert positions[i, j, k * n] >= 100 * k and (np.diff(positions[i, j, k * n:(k + 1) * n]) > 0).all()
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 48, 4096])
+def test_blockwise_attend_equals_dense_attention_on_materialized_cache(tiny, artifact, monkeypatch, chunk_tokens):
     model, _ = tiny
-    monkeypatch.setattr(kvtc_module, "_DECODE_TOKENS", 32)
-    compressor = KVTC(compression_factor=8, artifact=artifact, window=16, block_size=16)
-    cache, _ = prefill(model, random_ids(200, 7), compressor)
-    state = cache.layers[0].state
-    q = torch.randn(1, 4, 3, 16, generator=torch.Generator().manual_seed(0))
-    q_pos = torch.tensor([[60, 190, 205]])
-    out = compressor.attend(0, state, q, _ctx(torch.zeros(1, 2, 3, dtype=torch.long), q_pos))
-    keys, values, positions = compressor.materialize(state)
-    expected, _ = dense_attention(q, keys, values, q_pos, positions, 0.25)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    monkeypatch.setattr(kvtc_module, "_DECODE_TOKENS", chunk_tokens)
+    ids = random_ids(200, 7)
+    for compressor in (KVTC(compression_factor=8, artifact=artifact, window=16, block_size=16),
+                       Compose(SnapKV(compression_ratio=0.5), KVTC(compression_factor=8, artifact=artifact, window=16,
+                                                                  block_size=8))):  # per-head positions
+        cache, _ = prefill(model, ids, compressor)
+        state = cache.layers[0].state
+        q = torch.randn(1, 4, 3, 16, generator=torch.Generator().manual_seed(0))
+        q_pos = torch.tensor([[60, 190, 205]])
+        out = compressor.attend(0, state, q, _ctx(torch.zeros(1, 2, 3, dtype=torch.long), q_pos))
+        keys, values, positions = compressor.materialize(state)
+        expected, _ = dense_attention(q, keys, values, q_pos, positions, 0.25)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
 
 
 def test_decoding_reconstructs_one_chunk_at_a_time(tiny, artifact, monkeypatch):
