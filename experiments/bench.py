@@ -7,7 +7,8 @@ steps interleaved, so load changes on a shared machine hit all alike), and recor
 * prefill tokens/s, decode tokens/s and the median ms per decoded token;
 * the rise of the process's resident memory during the prefill (sampled: the cache plus prefill transients)
   and the peak resident memory of the process;
-* resident KV bytes at the end, and the memory factor against ``none`` in the same run;
+* resident KV bytes at the end on the fast tier (device or RAM; a retrieval method's offloaded full KV is
+  ``kv_slow_tier_bytes``), and the memory factor against ``none`` in the same run;
 * the decode roofline: a step must read the weights and the resident KV, so it cannot take less than
   ``(weight bytes + KV bytes) / copy bandwidth``, the bandwidth measured with a large tensor copy on the
   same device (bytes copied per second: each byte read once and written once). ``roofline_fraction`` is
@@ -222,8 +223,10 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     row.update(
         decode_tok_s=len(steps) / sum(steps) if steps else float("nan"),
         decode_ms_per_token=1000 * steps[len(steps) // 2] if steps else float("nan"),
-        kv_bytes=sum(resident.values()),
-        kv_device_bytes=resident.get("device", 0),
+        # Resident = the fast tier (what a decode step reads and what memory_factor counts); retrieval
+        # methods keep the full KV in a slower tier as well, reported apart.
+        kv_bytes=resident.get("device", 0),
+        kv_slow_tier_bytes=resident.get("host", 0) + resident.get("disk", 0),
         full_kv_bytes=full,
     )
     return row

@@ -59,3 +59,14 @@ def test_bench_on_tiny_model_writes_table_csv_and_plot(tiny, tmp_path):
 def test_cli_bench_rejects_unknown_compressor_before_loading(capsys):
     assert main(["bench", "--compressors", "nope", "--contexts", "16"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_offloaded_full_kv_is_not_counted_as_resident(tiny, tmp_path):
+    # FreeKV keeps every token on the slow tier: the fast tier (what memory_factor counts) holds a fraction.
+    model, tokenizer = tiny
+    config = BenchConfig(contexts=[256], compressors=["freekv:page_size=8,window=8,budget_fraction=0.25"],
+                         decode_steps=2, out=str(tmp_path))
+    none, freekv = run_bench(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
+    assert freekv["kv_slow_tier_bytes"] >= none["kv_bytes"] > 0
+    assert freekv["kv_bytes"] < none["kv_bytes"] / 2 and freekv["memory_factor"] > 2
+    model.set_attn_implementation("kvcomp")
