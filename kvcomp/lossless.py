@@ -421,6 +421,21 @@ def _choose(
 
 
 @torch.inference_mode()
+def _feed_full(model, full, ids, block_mask, mask, next_pos, keep_new: bool = False):
+    """Run a left-padded prompt block ``ids`` ``[B, n]`` over the full KV and commit it there.
+
+    Returns the model output, the extended attention mask, the block's positions (each row continues at its
+    own ``next_pos``) and, when ``keep_new``, the block's K/V per layer (else None)."""
+    n = ids.shape[1]
+    mask = torch.cat([mask, block_mask], dim=1)
+    pos = next_pos.view(-1, 1) + (block_mask.cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=full.cache, use_cache=True,
+                logits_to_keep=1)
+    new_kv = full.new_kv(n) if keep_new else None
+    full.commit(n, n)
+    return out, mask, pos, new_kv
+
+
 def lossless_decode(
     model,
     blocks: list[tuple[torch.Tensor, torch.Tensor]],
@@ -475,19 +490,7 @@ def lossless_decode(
     pend_pos = torch.zeros(batch, 0, dtype=torch.long, device=device)
     for ids, mask in blocks[1:]:
         ids, mask = ids.to(device), mask.to(device)
-        n = ids.shape[1]
-        full_mask = torch.cat([full_mask, mask], dim=1)
-        pos = next_pos.view(-1, 1) + (mask.cumsum(1) - 1).clamp(min=0)
-        out = model(
-            input_ids=ids,
-            attention_mask=full_mask,
-            position_ids=pos,
-            cache=full.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        k_new, v_new = full.new_kv(n)
-        full.commit(n, n)
+        out, full_mask, pos, (k_new, v_new) = _feed_full(model, full, ids, mask, full_mask, next_pos, keep_new=True)
         pend_k = k_new if pend_k is None else [torch.cat(p, dim=2) for p in zip(pend_k, k_new)]
         pend_v = v_new if pend_v is None else [torch.cat(p, dim=2) for p in zip(pend_v, v_new)]
         pend_ids = torch.cat([pend_ids, ids], dim=1)
@@ -659,17 +662,7 @@ def full_kv_decode(
     next_pos = torch.zeros(blocks[0][0].shape[0], dtype=torch.long, device=device)
     for ids, block_mask in blocks:
         ids, block_mask = ids.to(device), block_mask.to(device)
-        mask = torch.cat([mask, block_mask], dim=1)
-        pos = next_pos.view(-1, 1) + (block_mask.cumsum(1) - 1).clamp(min=0)
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=full.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        full.commit(ids.shape[1], ids.shape[1])
+        out, mask, _, _ = _feed_full(model, full, ids, block_mask, mask, next_pos)
         next_pos = next_pos + block_mask.sum(1)
     prefill_seconds = time.perf_counter() - t0
     batch = mask.shape[0]
