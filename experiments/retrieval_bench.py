@@ -10,8 +10,10 @@ needed, so their tokens/s against the overlapped ones is what overlap buys.
 
     python -m experiments.retrieval_bench --length 4096 --samples 20 --out runs/retrieval_bench
 
-writes ``records.jsonl`` (one row per sample and configuration, appended as it runs; a rerun skips rows
-already there), ``summary.csv`` and ``summary.json`` in ``--out``.
+One prefill per sample is shared by every configuration (:mod:`kvcomp.shared_prefill`); ``prefill_s`` is
+that prefill plus the configuration's own compression (offload) and question block. Writes ``records.jsonl``
+(one row per sample and configuration, appended as it runs; a rerun skips rows already there),
+``summary.csv`` and ``summary.json`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from pathlib import Path
 from compressors.freekv import FreeKV
 from compressors.specache import SpeCache
 from eval.runner import load_samples
-from kvcomp import load_model
-from kvcomp.generation import cache_stats, generate_ids, split_prompt, stop_token_ids
+from kvcomp import load_model, shared_prefill
+from kvcomp.generation import cache_stats, split_prompt, stop_token_ids
 from kvcomp.metrics import fidelity
 from kvcomp.retrieval import retrieval_stats
 
@@ -44,18 +46,18 @@ def make_compressor(config: str, budget: float, tier: str, offload_dir: str | No
                speculative=variant != "exact")
 
 
-def run_sample(model, tokenizer, task, sample, compressor, stop_ids) -> dict:
-    parts = split_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix, sample.chat_template)
+def run_sample(model, tokenizer, task, sample, pre, compressor, stop_ids) -> dict:
+    """Decode one configuration from the sample's shared prefill ``pre`` (:mod:`kvcomp.shared_prefill`)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rows, stats = generate_ids(model, [parts], compressor, sample.max_new_tokens, False, pad, stop_ids)
+    rows, stats = shared_prefill.continue_from(model, pre, compressor, sample.max_new_tokens, pad, stop_ids)
     cache = stats["cache"]
     resident, full, _ = cache_stats(cache)
     text = tokenizer.decode(rows[0], skip_special_tokens=True)
     steps = stats["generated_steps"]
     record = {
-        "id": sample.id, "task": task.name, "prompt_tokens": len(parts.context_ids) + len(parts.question_ids),
+        "id": sample.id, "task": task.name, "prompt_tokens": pre.prompt_tokens[0],
         "prediction": text, "token_ids": rows[0], "score": task.score(text, sample),
-        "prefill_s": stats["prefill_seconds"], "decode_s": stats["decode_seconds"], "steps": steps,
+        "prefill_s": stats["prefill_seconds"], "compress_s": stats["compress_seconds"], "decode_s": stats["decode_seconds"], "steps": steps,
         # The first token comes from the prefill; decode_s covers the steps - 1 forwards after it.
         "decode_tokens_per_s": (steps - 1) / stats["decode_seconds"] if steps > 1 else None,
         "resident_bytes": resident, "full_bytes": full,
@@ -126,15 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     for task_name in args.tasks:
         task = load_samples(task_name, tokenizer, length=args.length, num_samples=args.samples, seed=0)
         for i, sample in enumerate(task):
-            for config in configs:
-                if (config, sample.id) in done:
-                    continue
-                if config.endswith("-nooverlap") and args.timing_samples is not None and i >= args.timing_samples:
-                    continue
+            todo = [c for c in configs if (c, sample.id) not in done and not (
+                c.endswith("-nooverlap") and args.timing_samples is not None and i >= args.timing_samples)]
+            if not todo:
+                continue
+            # One prefill per sample, shared by every configuration (prefill attention is on the full KV).
+            parts = split_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix,
+                                 sample.chat_template)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            pre = shared_prefill.prefill(model, [parts], False, pad)
+            for config in todo:
                 compressor = None if config == "none" else make_compressor(config, args.budget, args.tier,
                                                                          args.offload_dir)
                 record = {"config": config, "budget": args.budget, "tier": args.tier, "length": args.length,
-                          **run_sample(model, tokenizer, task, sample, compressor, stop_ids)}
+                          **run_sample(model, tokenizer, task, sample, pre, compressor, stop_ids)}
                 records.append(record)
                 with path.open("a") as f:
                     f.write(json.dumps(record) + "\n")

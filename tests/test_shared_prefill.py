@@ -37,3 +37,25 @@ def test_prefill_rejects_empty_prompts(tiny):
     model, tokenizer = tiny
     with pytest.raises(ValueError, match="Nothing to prefill"):
         prefill(model, [split_prompt(tokenizer, "", "", chat_template=False)])
+
+
+@pytest.mark.parametrize("method", ["freekv", "specache"])
+def test_shared_prefill_equals_own_prefill_for_retrieval(tiny64, method):
+    # Retrieval methods offload the full KV in their prefill hook; from the records they must offload and
+    # select the same tokens (the retrieval benchmark shares one prefill between them).
+    from compressors.freekv import FreeKV
+    from compressors.specache import SpeCache
+
+    model, tokenizer = tiny64
+    parts = [split_prompt(tokenizer, CONTEXTS[0], QUESTIONS[0])]
+    pre = prefill(model, parts, False)
+    cls = {"freekv": FreeKV, "specache": SpeCache}[method]
+    extra = {"page_size": 4} if method == "freekv" else {}
+
+    def make():
+        return cls(budget_fraction=None, top_k=4, n_sink=2, window=8, tier="ram", **extra)
+
+    shared, shared_stats = continue_from(model, pre, make(), max_new_tokens=12)
+    alone, alone_stats = generate_ids(model, parts, make(), max_new_tokens=12, query_aware=False)
+    assert shared == alone
+    assert shared_stats["cache"].resident_bytes() == alone_stats["cache"].resident_bytes()
