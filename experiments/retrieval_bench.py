@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 compressor = None if config == "none" else make_compressor(config, args.budget, args.tier,
                                                                          args.offload_dir)
                 record = {"config": config, "budget": args.budget, "tier": args.tier, "length": args.length,
+                          "correction": getattr(compressor, "correction", None),
                           **run_sample(model, tokenizer, task, sample, pre, compressor, stop_ids)}
                 records.append(record)
                 with path.open("a") as f:

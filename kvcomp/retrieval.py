@@ -20,6 +20,10 @@ query group) are corrected by a synchronous fetch of the units their new query s
 drives the prefetch for the first decode step. ``overlap=False`` keeps the same selections but performs
 each fetch only when it is needed (no overlap: the baseline to measure what overlap buys);
 ``speculative=False`` selects with the step's own query and fetches synchronously (exact retrieval).
+``correction="missed"`` replaces the cosine rule: every step the units the step's own query selects are
+compared with the prefetched ones, the prefetched units it wants are kept and only the ones the prefetch missed
+are fetched synchronously, so the output is identical to exact retrieval and the prefetch hides the share of
+the transfer it guessed right (``recall``). The selection is computed every step in both modes.
 
 A forward of several tokens (a question block appended to a compressed context, a verified draft) attends
 over the full KV read back from the tier: that is prefill-like work, as in FreeKV and SpeCache.
@@ -47,6 +51,8 @@ from kvcomp.attention import dense_attention
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext
 from kvcomp.tiers import TIER_KINDS, FetchRequest, Prefetcher, Tier, make_tier
 
+CORRECTIONS = ("cosine", "missed")
+
 
 @dataclass
 class RetrievalStats:
@@ -55,7 +61,7 @@ class RetrievalStats:
     decode_steps: int = 0
     head_steps: int = 0
     speculated: int = 0  # head-steps that had a prefetched selection
-    corrected: int = 0  # ... of which the query moved (cosine < tau) and a synchronous fetch replaced it
+    corrected: int = 0  # ... of which a synchronous fetch corrected the prefetch (see ``correction``)
     recall_sum: float = 0.0  # sum over speculated head-steps of |prefetched ∩ needed| / |needed| (units)
     decode_bytes: int = 0  # bytes moved from the slow tier for decode steps (prefetches and corrections)
     block_bytes: int = 0  # bytes read back for multi-token forwards (full KV)
@@ -99,6 +105,8 @@ class Retrieval(Compressor):
     budget_fraction: fast-tier bytes / full-KV bytes (None: use ``top_k``). top_k: units fetched per KV
     head and step (overrides ``budget_fraction``). tier: "auto" (host memory on CUDA, disk otherwise),
     "disk", "host" or "ram". offload_dir: where the disk tier writes (None: $KVCOMP_OFFLOAD_DIR or /tmp).
+    correction: how a speculative prefetch is corrected, "cosine" (heads whose query moved below ``tau``
+    refetch) or "missed" (fetch exactly the units the prefetch missed; output identical to exact retrieval).
     """
 
     budget_fraction: float | None = 0.125
@@ -109,6 +117,7 @@ class Retrieval(Compressor):
     speculative: bool = True
     overlap: bool = True
     tau: float = 0.8
+    correction: str = "cosine"
     offload_dir: str | None = None
 
     capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, supports_batch=False)
@@ -128,6 +137,8 @@ class Retrieval(Compressor):
                 raise CompressorError(f"{name} must be a non-negative number of tokens, got {value!r}.")
         if self.tier not in ("auto", *TIER_KINDS):
             raise CompressorError(f"tier must be 'auto' or one of {', '.join(TIER_KINDS)}; got {self.tier!r}.")
+        if self.correction not in CORRECTIONS:
+            raise CompressorError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}.")
         if not isinstance(self.tau, (int, float)) or not -1.0 <= self.tau <= 1.0:
             raise CompressorError(f"tau must be a cosine similarity in [-1, 1], got {self.tau!r}.")
 
@@ -209,19 +220,12 @@ class Retrieval(Compressor):
             result = state.prefetcher.fetch(state.step, self._request(state, units))
         else:
             spec = state.pending_units
-            cos = F.cosine_similarity(qg.float(), state.prev_q.float(), dim=-1).mean(-1)  # [B, H]
-            stale = cos < self.tau
             st.speculated += b * h
-            st.corrected += int(stale.sum())
             st.recall_sum += float(_recall(spec, units, self._n_units(state)).sum())
-            if bool(stale.any()):
-                fix = units.masked_fill(~stale.unsqueeze(-1), -1)
-                fixed = state.prefetcher.fetch(state.step, self._request(state, fix))
-                spec = _pad_units(spec, units.shape[-1])
-                units = torch.where(stale.unsqueeze(-1), _pad_units(units, spec.shape[-1]), spec)
-                result = _merge(result, fixed, stale, self.unit)
+            if self.correction == "missed":
+                result = self._fetch_missed(state, result, spec, units)
             else:
-                units = spec
+                result, units = self._correct_moved(state, qg, result, spec, units)
         keys, values, index = result.keys, result.values, result.request.index
         state.fetch_bytes = _buffer_bytes(keys, values)
         st.fetched_tokens += int((index >= 0).sum())
@@ -233,6 +237,30 @@ class Retrieval(Compressor):
             # The selection this step's query made is the next step's speculation, unless the summary grew.
             self._prefetch_next(state, q, ctx.scaling, None if advanced else fresh)
         return out
+
+    def _correct_moved(self, state: RetrievalState, qg: torch.Tensor, result, spec: torch.Tensor,
+                       units: torch.Tensor):
+        """``correction="cosine"`` (FreeKV): KV heads whose query moved (cosine to the last step's < ``tau``)
+        replace their prefetch by a synchronous fetch of this step's selection; the others use the prefetch."""
+        cos = F.cosine_similarity(qg.float(), state.prev_q.float(), dim=-1).mean(-1)  # [B, H]
+        stale = cos < self.tau
+        state.stats.corrected += int(stale.sum())
+        if not bool(stale.any()):
+            return result, spec
+        fixed = state.prefetcher.fetch(state.step, self._request(state, units.masked_fill(~stale.unsqueeze(-1), -1)))
+        spec = _pad_units(spec, units.shape[-1])
+        units = torch.where(stale.unsqueeze(-1), _pad_units(units, spec.shape[-1]), spec)
+        return _merge(result, fixed, stale, self.unit), units
+
+    def _fetch_missed(self, state: RetrievalState, result, spec: torch.Tensor, units: torch.Tensor):
+        """``correction="missed"``: keep the prefetched units this step's own selection wants and fetch the ones
+        the prefetch missed; the step attends exactly what ``speculative=False`` would."""
+        wanted = (spec.unsqueeze(-1) == units.unsqueeze(-2)).any(-1)  # [B, H, k_spec]
+        missed = units.masked_fill((units.unsqueeze(-1) == spec.unsqueeze(-2)).any(-1), -1)
+        has_missed = (missed >= 0).any(-1)
+        state.stats.corrected += int(has_missed.sum())
+        fixed = state.prefetcher.fetch(state.step, self._request(state, missed)) if bool(has_missed.any()) else None
+        return _complete(result, wanted, fixed, self.unit, units.shape[-1] * self.unit)
 
     def checkpoint(self, state: RetrievalState) -> RetrievalState:
         # Nothing to save: every token is in the tier, so rollback rebuilds what it removes from there.
@@ -376,6 +404,24 @@ def _merge(spec, fixed, stale: torch.Tensor, unit: int):
     index = torch.where(stale.unsqueeze(-1), pad(fixed.request.index, -1), pad(spec.request.index, -1))
     return type(spec)(FetchRequest(spec.request.tier, spec.request.layer, index), keys, values,
                       spec.nbytes + fixed.nbytes, spec.version)
+
+
+def _complete(spec, wanted: torch.Tensor, fixed, unit: int, width: int):
+    """The prefetched result restricted to its ``wanted`` units (``[B, H, k_spec]``) plus the ``fixed`` fetch of
+    the missed ones, in ascending token order and ``width`` tokens wide: what a synchronous fetch of this
+    step's own selection returns, so attention is bit-identical to ``speculative=False``."""
+    index = spec.request.index.masked_fill(~wanted.repeat_interleave(unit, -1), -1)
+    keys, values, nbytes = spec.keys, spec.values, spec.nbytes
+    if fixed is not None:
+        index = torch.cat([index, fixed.request.index], dim=-1)
+        keys = torch.cat([keys, fixed.keys], dim=2)
+        values = torch.cat([values, fixed.values], dim=2)
+        nbytes += fixed.nbytes
+    order = torch.where(index >= 0, index, torch.iinfo(index.dtype).max).argsort(dim=-1, stable=True)[..., :width]
+    index = index.gather(-1, order)
+    take = order.unsqueeze(-1).expand(*order.shape, keys.shape[-1])
+    keys, values = keys.gather(2, take), values.gather(2, take)
+    return type(spec)(FetchRequest(spec.request.tier, spec.request.layer, index), keys, values, nbytes, spec.version)
 
 
 def _recall(spec: torch.Tensor, needed: torch.Tensor, n_units: int) -> torch.Tensor:

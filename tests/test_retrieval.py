@@ -128,11 +128,13 @@ def test_specache_selection_is_the_true_top_k_when_the_low_bit_copy_is_exact():
 
 @pytest.mark.parametrize("make", [FreeKV, SpeCache], ids=IDS)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_correction_replaces_stale_prefetch(tmp_path, make, overlap):
+@pytest.mark.parametrize("correction", ["cosine", "missed"])
+def test_correction_replaces_stale_prefetch(tmp_path, make, overlap, correction):
     """The prefetch is chosen with the prompt's last query; a decode query pointing elsewhere (cosine -1) must
     be corrected: the output equals exact (non-speculative) retrieval with the new query, and a repeated
     query uses the prefetch unchanged."""
-    kw = dict(top_k=3, n_sink=4, window=8, tier="disk", offload_dir=str(tmp_path), overlap=overlap)
+    kw = dict(top_k=3, n_sink=4, window=8, tier="disk", offload_dir=str(tmp_path), overlap=overlap,
+              correction=correction)
     if make is FreeKV:
         kw["page_size"] = 8
     else:
@@ -153,6 +155,29 @@ def test_correction_replaces_stale_prefetch(tmp_path, make, overlap):
                 # The same query selects the same units (recall 1 per head); the opposite one mostly others.
                 assert state.stats.recall_sum == 2.0 if corrected == 0 else state.stats.recall_sum < 2.0
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [FreeKV, SpeCache], ids=IDS)
+def test_missed_correction_equals_exact_retrieval_over_many_steps(make):
+    """correction="missed": queries that drift step to step (prefetches partly right) attend exactly what
+    exact retrieval attends, bit for bit, and only the missed units cost a synchronous fetch."""
+    kw = dict(top_k=4, n_sink=4, window=8, tier="ram", **({"page_size": 8} if make is FreeKV else {"group_size": 8}))
+    q, k, v, ctx = layer_inputs()
+    gen = torch.Generator().manual_seed(3)
+    exact, spec = make(speculative=False, **kw), make(speculative=True, correction="missed", **kw)
+    states = [exact.prefill(0, q, k, v, ctx), spec.prefill(0, q, k, v, ctx)]
+    query = q[:, :, -1:]
+    for step in range(12):
+        query = query + 0.6 * torch.randn(query.shape, generator=gen)  # drifts: some units change per step
+        new_k, new_v = torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen)
+        outs = []
+        for i, c in enumerate((exact, spec)):
+            states[i] = c.append(0, states[i], new_k, new_v, decode_ctx(200 + step))
+            outs.append(c.attend(0, states[i], query, decode_ctx(200 + step)))
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    st = states[1].stats
+    assert st.speculated == 24 and 0 < st.corrected < 24  # some head-steps were fully prefetched, some not
+    assert 0 < st.recall_sum / st.speculated < 1
 
 
 @pytest.mark.parametrize("make", [FreeKV, SpeCache], ids=IDS)
