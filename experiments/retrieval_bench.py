@@ -3,9 +3,9 @@
 For each RULER task and sample: the uncompressed run, then each retrieval configuration with the full KV on
 disk and a fast-tier budget of ``--budget`` of the full KV (default 1/8). Reported per task and
 configuration: score and the uncompressed score, exact match with the uncompressed output, memory_factor
-(fast tier), bytes moved from the slow tier per decoded token (all layers), prefetch hit rate (KV heads whose
-prefetched selection was used uncorrected), recall of the speculative selection, time waited on fetches, and
-decode tokens/s. ``-nooverlap`` configurations make the same selections with each fetch done only when
+(fast tier), bytes moved from the slow tier per decoded token (all layers), prefetch hit rate (share of the
+attended units the prefetch supplied), correction rate (KV head-steps needing a synchronous fetch), recall of
+the speculative selection, time waited on fetches, and decode tokens/s. ``-nooverlap`` configurations make the same selections with each fetch done only when
 needed, so their tokens/s against the overlapped ones is what overlap buys.
 
     python -m experiments.retrieval_bench --length 4096 --samples 20 --out runs/retrieval_bench
@@ -35,7 +35,7 @@ from kvcomp.retrieval import retrieval_stats
 TASKS = ("ruler/niah_single_1", "ruler/niah_multikey_1")
 CONFIGS = ("freekv", "freekv-nooverlap", "specache", "specache-nooverlap")
 SUMMARY_COLUMNS = ["task", "config", "n", "score", "score_uncompressed", "score_delta", "exact_match",
-                   "memory_factor", "bytes_per_token", "hit_rate", "recall", "wait_s_per_token",
+                   "memory_factor", "bytes_per_token", "hit_rate", "correction_rate", "recall", "wait_s_per_token",
                    "decode_tokens_per_s", "decode_tokens_per_s_uncompressed", "prefill_s"]
 
 
@@ -91,6 +91,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "memory_factor": _mean(r["memory_factor"] for r in rs),
             "bytes_per_token": _mean(x.get("bytes_per_token") for x in ret),
             "hit_rate": _mean(x.get("hit_rate") for x in ret),
+            "correction_rate": _mean(x.get("correction_rate") for x in ret),
             "recall": _mean(x.get("recall") for x in ret),
             "wait_s_per_token": _mean(x.get("wait_seconds_per_token") for x in ret),
             "decode_tokens_per_s": _mean(r["decode_tokens_per_s"] for r in rs),

@@ -63,6 +63,7 @@ class RetrievalStats:
     speculated: int = 0  # head-steps that had a prefetched selection
     corrected: int = 0  # ... of which a synchronous fetch corrected the prefetch (see ``correction``)
     recall_sum: float = 0.0  # sum over speculated head-steps of |prefetched ∩ needed| / |needed| (units)
+    served_sum: float = 0.0  # sum over speculated head-steps of the share of attended units the prefetch gave
     decode_bytes: int = 0  # bytes moved from the slow tier for decode steps (prefetches and corrections)
     block_bytes: int = 0  # bytes read back for multi-token forwards (full KV)
     fetched_tokens: int = 0  # full-precision tokens attended from fetch buffers, summed over head-steps
@@ -221,11 +222,15 @@ class Retrieval(Compressor):
         else:
             spec = state.pending_units
             st.speculated += b * h
-            st.recall_sum += float(_recall(spec, units, self._n_units(state)).sum())
+            recall = _recall(spec, units, self._n_units(state))
+            st.recall_sum += float(recall.sum())
             if self.correction == "missed":
                 result = self._fetch_missed(state, result, spec, units)
+                st.served_sum += float(recall.sum())  # the kept prefetched units; the missed ones were fetched
             else:
+                corrected = st.corrected
                 result, units = self._correct_moved(state, qg, result, spec, units)
+                st.served_sum += b * h - (st.corrected - corrected)  # uncorrected heads use the whole prefetch
         keys, values, index = result.keys, result.values, result.request.index
         state.fetch_bytes = _buffer_bytes(keys, values)
         st.fetched_tokens += int((index >= 0).sum())
@@ -436,9 +441,11 @@ def _recall(spec: torch.Tensor, needed: torch.Tensor, n_units: int) -> torch.Ten
 def retrieval_stats(cache) -> dict[str, float]:
     """Transfer statistics summed over the layers of a ``CompressedCache`` using a retrieval compressor.
 
-    bytes_per_token: bytes moved from the slow tier per decode step (all layers); hit_rate: fraction of
-    (step, layer, KV head) where the prefetched selection was used uncorrected; recall: fraction of the units
-    the step's own query selects that the prefetch held; wait_seconds: time the model thread waited on
+    bytes_per_token: bytes moved from the slow tier per decode step (all layers); hit_rate: share of the
+    attended units, over (step, layer, KV head), that came from the prefetch (cosine correction: the heads
+    used uncorrected; missed correction: the prefetched units kept); correction_rate: share of speculated
+    head-steps that needed a synchronous fetch; recall: fraction of the units the step's own query selects
+    that the prefetch held; wait_seconds: time the model thread waited on
     fetches (prefetch completions and synchronous fetches)."""
     states = [layer.state for layer in cache.layers if isinstance(getattr(layer, "state", None), RetrievalState)]
     if not states:
@@ -457,7 +464,7 @@ def retrieval_stats(cache) -> dict[str, float]:
         "bytes_moved": s.decode_bytes,
         "bytes_per_token": s.decode_bytes / steps,
         "block_bytes": s.block_bytes,
-        "hit_rate": (s.speculated - s.corrected) / max(1, s.head_steps) if speculated else float("nan"),
+        "hit_rate": s.served_sum / max(1, s.head_steps) if speculated else float("nan"),
         "correction_rate": s.corrected / speculated if speculated else float("nan"),
         "recall": s.recall_sum / speculated if speculated and s.speculated else float("nan"),
         "fetched_tokens_per_head_step": s.fetched_tokens / max(1, s.head_steps),

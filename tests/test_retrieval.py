@@ -151,6 +151,8 @@ def test_correction_replaces_stale_prefetch(tmp_path, make, overlap, correction)
             outs.append(c.attend(0, state, query, decode_ctx(200)))
             if speculative:
                 assert state.stats.speculated == 2 and state.stats.corrected == corrected
+                if correction == "cosine":  # a corrected head takes nothing from the prefetch
+                    assert state.stats.served_sum == 2 - corrected
                 assert state.prefetcher.stats.prefetches_used == 1
                 # The same query selects the same units (recall 1 per head); the opposite one mostly others.
                 assert state.stats.recall_sum == 2.0 if corrected == 0 else state.stats.recall_sum < 2.0
@@ -178,6 +180,7 @@ def test_missed_correction_equals_exact_retrieval_over_many_steps(make):
     st = states[1].stats
     assert st.speculated == 24 and 0 < st.corrected < 24  # some head-steps were fully prefetched, some not
     assert 0 < st.recall_sum / st.speculated < 1
+    assert st.served_sum == st.recall_sum  # the hit rate counts the prefetched units that were kept
 
 
 @pytest.mark.parametrize("make", [FreeKV, SpeCache], ids=IDS)
