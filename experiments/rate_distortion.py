@@ -9,7 +9,8 @@ shared, so fidelity (exact match, agreement, first divergence) is computed once.
 ``rate_distortion-L<length>-<mode>.csv`` holds one row per task and method plus an ``all`` row per method
 (every record of the method pooled): score, measured memory_factor, fidelity, and seconds per sample:
 ``prefill_s`` (the shared prefill plus the method's own compression), ``compress_s`` (compression alone) and
-``decode_s``. KVTC uses ``--artifact``, else the model's default artifact, calibrating it
+``decode_s``. A KVTC point is a target factor or ``factor:window`` (its full-precision recent window; the
+default is KVTC's 128, which at 4K tokens alone caps memory_factor near 25). KVTC uses ``--artifact``, else the model's default artifact, calibrating it
 first when it does not exist (``--calibration-tokens`` tokens of the default offline text).
 """
 
@@ -37,8 +38,25 @@ def configs(artifact: str, quant_bits=QUANT_BITS, kvtc_factors=KVTC_FACTORS):
     yield "none", "-", None
     for bits in quant_bits:
         yield "quant", f"bits={bits}", Quant(bits=bits)
-    for factor in kvtc_factors:
-        yield "kvtc", f"factor={factor}", KVTC(compression_factor=float(factor), artifact=artifact)
+    for spec in kvtc_factors:
+        factor, window = parse_kvtc(spec)
+        if window is None:
+            yield "kvtc", f"factor={factor}", KVTC(compression_factor=float(factor), artifact=artifact)
+        else:
+            yield "kvtc", f"factor={factor},window={window}", KVTC(compression_factor=float(factor), window=window,
+                                                                   artifact=artifact)
+
+
+def parse_kvtc(spec) -> tuple[float | int, int | None]:
+    """A KVTC point: a target factor (``8``) or ``factor:window`` (``10:64``, full-precision recent tokens)."""
+    text = str(spec)
+    factor_text, _, window_text = text.partition(":")
+    try:
+        factor = float(factor_text)
+        window = int(window_text) if window_text else None
+    except ValueError:
+        raise ValueError(f"KVTC point {text!r}: expected a target factor (8) or factor:window (10:64).") from None
+    return (int(factor) if factor.is_integer() else factor), window
 
 
 def ensure_artifact(model, tokenizer, artifact: str | None, tokens: int) -> str:
@@ -73,7 +91,8 @@ def rate_distortion(model, tokenizer, *, tasks=TASKS, length: int = 4096, sample
         bench = load_samples(f"ruler/{task}", tokenizer, length=length, num_samples=samples, seed=0)
         grid = {}
         for method, setting, compressor in configs(artifact, quant_bits, kvtc_factors):
-            grid[method if compressor is None else f"{method}-{setting.replace('=', '')}"] = (method, setting, compressor)
+            label = method if compressor is None else f"{method}-{setting.replace('=', '').replace(',', '-')}"
+            grid[label] = (method, setting, compressor)
         run_dir = out_dir / task / mode
         run_grid(model, tokenizer, bench, {label: c for label, (_, _, c) in grid.items()}, query_aware=query_aware,
                  out_dir=run_dir, progress=progress)
@@ -103,14 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifact", default=None, help="KVTC artifact; default: the model's (calibrated if missing)")
     p.add_argument("--calibration-tokens", type=int, default=8192)
     p.add_argument("--quant-bits", type=int, nargs="*", default=list(QUANT_BITS))
-    p.add_argument("--kvtc-factors", type=float, nargs="*", default=list(KVTC_FACTORS))
+    p.add_argument("--kvtc-factors", nargs="*", default=list(KVTC_FACTORS),
+                   help="target factors, each optionally with its recent window: 4 8 16 10:64")
     p.add_argument("--query-aware", action="store_true")
     args = p.parse_args(argv)
     model, tokenizer = load_model(None if args.model == "embedded" else args.model, dtype=args.dtype)
     rows = rate_distortion(model, tokenizer, tasks=args.tasks, length=args.length, samples=args.samples,
                            out_dir=args.out, artifact=args.artifact, calibration_tokens=args.calibration_tokens,
                            query_aware=args.query_aware, quant_bits=args.quant_bits,
-                           kvtc_factors=[f if f % 1 else int(f) for f in args.kvtc_factors])
+                           kvtc_factors=args.kvtc_factors)
     for r in rows:
         print(",".join("" if r[c] is None else (f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]))
                        for c in COLUMNS))
