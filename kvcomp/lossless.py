@@ -436,6 +436,7 @@ def _feed_full(model, full, ids, block_mask, mask, next_pos, keep_new: bool = Fa
     return out, mask, pos, new_kv
 
 
+@torch.inference_mode()
 def lossless_decode(
     model,
     blocks: list[tuple[torch.Tensor, torch.Tensor]],

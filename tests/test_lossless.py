@@ -539,3 +539,20 @@ def test_cli_generate_lossless(capsys):
     assert stats["lossless"]["rounds"] > 0
     assert main([*args, "--compressor", "none"]) == 0
     assert out.out == capsys.readouterr().out  # the lossless answer is the uncompressed one
+
+
+def test_lossless_bench_runs_outside_inference_mode(tmp_path):
+    """The benchmark calls lossless_decode / full_kv_decode directly (no inference-mode wrapper) with the
+    full KV on disk and a query-agnostic question block: every method's output is the resident one."""
+    import csv
+
+    from experiments import lossless_bench
+
+    out = tmp_path / "lossless"
+    lossless_bench.main(["--model", "tiny", "--lengths", "512", "--samples", "1", "--max-new-tokens", "6",
+                         "--drafters", "snapkv:0.5", "quant:4", "--gamma", "3", "--tier", "disk",
+                         "--out", str(out)])
+    with open(f"{out}.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == ["resident", "tiered/disk", "lossless/snapkv:0.5", "lossless/quant:4"]
+    assert all(r["exact_match"] == "True" for r in rows)
