@@ -228,9 +228,7 @@ class Retrieval(Compressor):
                 result = self._fetch_missed(state, result, spec, units)
                 st.served_sum += float(recall.sum())  # the kept prefetched units; the missed ones were fetched
             else:
-                corrected = st.corrected
                 result, units = self._correct_moved(state, qg, result, spec, units)
-                st.served_sum += b * h - (st.corrected - corrected)  # uncorrected heads use the whole prefetch
         keys, values, index = result.keys, result.values, result.request.index
         state.fetch_bytes = _buffer_bytes(keys, values)
         st.fetched_tokens += int((index >= 0).sum())
@@ -250,6 +248,7 @@ class Retrieval(Compressor):
         cos = F.cosine_similarity(qg.float(), state.prev_q.float(), dim=-1).mean(-1)  # [B, H]
         stale = cos < self.tau
         state.stats.corrected += int(stale.sum())
+        state.stats.served_sum += int((~stale).sum())  # uncorrected heads use the whole prefetch
         if not bool(stale.any()):
             return result, spec
         fixed = state.prefetcher.fetch(state.step, self._request(state, units.masked_fill(~stale.unsqueeze(-1), -1)))
@@ -260,8 +259,9 @@ class Retrieval(Compressor):
     def _fetch_missed(self, state: RetrievalState, result, spec: torch.Tensor, units: torch.Tensor):
         """``correction="missed"``: keep the prefetched units this step's own selection wants and fetch the ones
         the prefetch missed; the step attends exactly what ``speculative=False`` would."""
-        wanted = (spec.unsqueeze(-1) == units.unsqueeze(-2)).any(-1)  # [B, H, k_spec]
-        missed = units.masked_fill((units.unsqueeze(-1) == spec.unsqueeze(-2)).any(-1), -1)
+        same = spec.unsqueeze(-1) == units.unsqueeze(-2)  # [B, H, k_spec, k]
+        wanted = same.any(-1)
+        missed = units.masked_fill(same.any(-2), -1)
         has_missed = (missed >= 0).any(-1)
         state.stats.corrected += int(has_missed.sum())
         fixed = state.prefetcher.fetch(state.step, self._request(state, missed)) if bool(has_missed.any()) else None
