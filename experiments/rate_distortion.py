@@ -9,7 +9,8 @@ shared, so fidelity (exact match, agreement, first divergence) is computed once.
 ``rate_distortion-L<length>-<mode>.csv`` holds one row per task and method plus an ``all`` row per method
 (every record of the method pooled): score, measured memory_factor, fidelity, and seconds per sample:
 ``prefill_s`` (the shared prefill plus the method's own compression), ``compress_s`` (compression alone) and
-``decode_s``. A KVTC point is a target factor or ``factor:window`` (its full-precision recent window; the
+``decode_s``. A quant point is bits or ``bits:n_sink`` (``4:0``: the first tokens quantized too, KIVI as
+published; the default keeps 4 attention sinks in full precision). A KVTC point is a target factor or ``factor:window`` (its full-precision recent window; the
 default is KVTC's 128, which at 4K tokens alone caps memory_factor near 25). KVTC uses ``--artifact``, else the model's default artifact, calibrating it
 first when it does not exist (``--calibration-tokens`` tokens of the default offline text).
 """
@@ -36,8 +37,12 @@ COLUMNS = ["task", "method", "setting", "score", "memory_factor", "exact_match",
 
 def configs(artifact: str, quant_bits=QUANT_BITS, kvtc_factors=KVTC_FACTORS):
     yield "none", "-", None
-    for bits in quant_bits:
-        yield "quant", f"bits={bits}", Quant(bits=bits)
+    for spec in quant_bits:
+        bits, n_sink = parse_quant(spec)
+        if n_sink is None:
+            yield "quant", f"bits={bits}", Quant(bits=bits)
+        else:
+            yield "quant", f"bits={bits},n_sink={n_sink}", Quant(bits=bits, n_sink=n_sink)
     for spec in kvtc_factors:
         factor, window = parse_kvtc(spec)
         if window is None:
@@ -45,6 +50,17 @@ def configs(artifact: str, quant_bits=QUANT_BITS, kvtc_factors=KVTC_FACTORS):
         else:
             yield "kvtc", f"factor={factor},window={window}", KVTC(compression_factor=float(factor), window=window,
                                                                    artifact=artifact)
+
+
+def parse_quant(spec) -> tuple[int, int | None]:
+    """A quant point: bits (``4``) or ``bits:n_sink`` (``4:0``: no full-precision attention sinks, KIVI as
+    published)."""
+    text = str(spec)
+    bits_text, _, sink_text = text.partition(":")
+    try:
+        return int(bits_text), (int(sink_text) if sink_text else None)
+    except ValueError:
+        raise ValueError(f"quant point {text!r}: expected bits (4) or bits:n_sink (4:0).") from None
 
 
 def parse_kvtc(spec) -> tuple[float | int, int | None]:
@@ -121,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/rate_distortion")
     p.add_argument("--artifact", default=None, help="KVTC artifact; default: the model's (calibrated if missing)")
     p.add_argument("--calibration-tokens", type=int, default=8192)
-    p.add_argument("--quant-bits", type=int, nargs="*", default=list(QUANT_BITS))
+    p.add_argument("--quant-bits", nargs="*", default=list(QUANT_BITS),
+                   help="bits, each optionally with its attention sinks kept in full precision: 8 4 2 4:0")
     p.add_argument("--kvtc-factors", nargs="*", default=list(KVTC_FACTORS),
                    help="target factors, each optionally with its recent window: 4 8 16 10:64")
     p.add_argument("--query-aware", action="store_true")

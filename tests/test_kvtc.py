@@ -404,16 +404,22 @@ def test_rate_distortion_benchmark_writes_its_table(tiny, artifact, tmp_path):
 
     model, tokenizer = tiny
     rows = rate_distortion(model, tokenizer, tasks=["niah_single_1"], length=384, samples=1, out_dir=tmp_path,
-                           artifact=artifact, quant_bits=[4], kvtc_factors=[8, "8:32"], progress=False)
+                           artifact=artifact, quant_bits=[4, "4:0"], kvtc_factors=[8, "8:32"], progress=False)
     with open(tmp_path / "L384" / "rate_distortion-L384-agnostic.csv") as f:
         table = list(csv.DictReader(f))
     assert list(table[0]) == COLUMNS
     assert [(r["task"], r["method"], r["setting"]) for r in table] == [
-        ("niah_single_1", "none", "-"), ("niah_single_1", "quant", "bits=4"), ("niah_single_1", "kvtc", "factor=8"),
+        ("niah_single_1", "none", "-"), ("niah_single_1", "quant", "bits=4"),
+        ("niah_single_1", "quant", "bits=4,n_sink=0"), ("niah_single_1", "kvtc", "factor=8"),
         ("niah_single_1", "kvtc", "factor=8,window=32"),
-        ("all", "none", "-"), ("all", "quant", "bits=4"), ("all", "kvtc", "factor=8"),
-        ("all", "kvtc", "factor=8,window=32")]
-    # A smaller full-precision window leaves more of the context coded: a higher memory_factor.
+        ("all", "none", "-"), ("all", "quant", "bits=4"), ("all", "quant", "bits=4,n_sink=0"),
+        ("all", "kvtc", "factor=8"), ("all", "kvtc", "factor=8,window=32")]
+    # Quantizing the 4 sinks too (KIVI as published) never costs bytes (it saves them when the sinks would
+    # push a group back into the window); a smaller KVTC full-precision window leaves more of the context
+    # coded: a higher memory_factor.
+    assert float(table[2]["memory_factor"]) >= float(table[1]["memory_factor"])
+    assert (tmp_path / "L384" / "niah_single_1" / "agnostic" / "quant-bits4-n_sink0" / "results.jsonl").is_file()
+    table = table[:2] + table[3:]
     assert float(table[3]["memory_factor"]) > float(table[2]["memory_factor"])
     assert (tmp_path / "L384" / "niah_single_1" / "agnostic" / "kvtc-factor8-window32" / "results.jsonl").is_file()
     assert float(table[0]["memory_factor"]) == 1.0 and float(table[2]["memory_factor"]) > 1.5

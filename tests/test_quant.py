@@ -68,35 +68,45 @@ def test_pack_layout():
 
 
 # -- storage and bytes ---------------------------------------------------------------------------------------
-def quant_bytes(n, bits, group, residual, heads, d, itemsize, value_channels=None):
+def quant_bytes(n, bits, group, residual, heads, d, itemsize, value_channels=None, n_sink=0):
     """Closed form for one layer and one sequence of n tokens."""
     c = value_channels or min(group, d)
-    n_groups = max(0, (n - residual) // group)
-    quantized, window = n_groups * group, n - n_groups * group
+    sinks = min(n_sink, n)
+    n_groups = max(0, (n - sinks - residual) // group)
+    quantized = n_groups * group
+    full_precision = n - quantized  # the sinks and the window
     per_head = (
         2 * quantized * d * bits // 8  # packed key and value codes
         + 2 * n_groups * d * itemsize  # key scale + zero: per group and channel
         + 2 * quantized * (d // c) * itemsize  # value scale + zero: per token and channel group
         + quantized * 4  # int32 positions
-        + window * (2 * d * itemsize + 4)  # full-precision window: K, V, positions
+        + full_precision * (2 * d * itemsize + 4)  # full-precision sinks and window: K, V, positions
     )
     return heads * per_head
 
 
 @pytest.mark.parametrize(
-    "bits,group,residual,n", [(4, 32, 128, 300), (2, 16, 20, 101), (8, 32, 0, 64), (4, 32, 128, 100)]
+    "bits,group,residual,n_sink,n",
+    [(4, 32, 128, 4, 300), (2, 16, 20, 0, 101), (2, 16, 20, 4, 101), (8, 32, 0, 4, 64), (4, 32, 128, 4, 100),
+     (4, 16, 0, 8, 5)],
 )
-def test_nbytes_is_the_formula_and_the_tensors(tiny, bits, group, residual, n):
+def test_nbytes_is_the_formula_and_the_tensors(tiny, bits, group, residual, n_sink, n):
     model, _ = tiny
-    cache, _ = prefill(model, random_ids(n, n), Quant(bits=bits, group_size=group, residual=residual))
+    compressor = Quant(bits=bits, group_size=group, residual=residual, n_sink=n_sink)
+    cache, _ = prefill(model, random_ids(n, n), compressor)
     cfg = model.config
-    expected = quant_bytes(n, bits, group, residual, cfg.num_key_value_heads, cfg.head_dim, 4)
+    expected = quant_bytes(n, bits, group, residual, cfg.num_key_value_heads, cfg.head_dim, 4, n_sink=n_sink)
+    sinks = min(n_sink, n)
+    quantized = max(0, (n - sinks - residual) // group) * group
     for layer in cache.layers:
         state = layer.state
         stored = sum(t.numel() * t.element_size() for t in state.tensors())
         assert layer.compressor.nbytes(state)["device"] == stored == expected
         assert state.key_codes.dtype == torch.uint8
-        assert state.residual_tokens.tolist() == [[n - (max(0, (n - residual) // group) * group)] * 2]
+        assert state.sink_tokens.tolist() == [[sinks] * 2]
+        assert state.sinks.positions[0, 0].tolist() == list(range(sinks))  # the first tokens, in full precision
+        assert state.quantized_tokens.tolist() == [[quantized] * 2]
+        assert state.residual_tokens.tolist() == [[n - sinks - quantized] * 2]
     assert cache.resident_bytes()["device"] == expected * cfg.num_hidden_layers
     assert cache.memory_factor() == pytest.approx(cache.full_bytes() / (expected * cfg.num_hidden_layers))
 
@@ -107,7 +117,7 @@ def test_memory_factor_of_4_bits_matches_the_formula():
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(head_dim=64, num_hidden_layers=1))
-    cache, _ = prefill(model, random_ids(512, 3), Quant(bits=4, group_size=32, residual=0))
+    cache, _ = prefill(model, random_ids(512, 3), Quant(bits=4, group_size=32, residual=0, n_sink=0))
     full = 512 * 2 * 2 * 64 * 4
     assert (
         cache.memory_factor()
@@ -115,6 +125,22 @@ def test_memory_factor_of_4_bits_matches_the_formula():
         == pytest.approx(5.12)
     )
     assert cache.memory_factor() > 5
+
+
+def test_sinks_stay_exact_and_only_they(tiny):
+    """The first n_sink tokens are stored bit for bit; with n_sink=0 they are quantized like the rest."""
+    model, _ = tiny
+    ids = random_ids(200, 5)
+    full, _ = prefill(model, ids, Quant(bits=2, group_size=16, residual=400))  # everything in the window
+    keys, values, positions = full.layers[0].compressor.materialize(full.layers[0].state)
+    assert positions[0, 0].tolist() == list(range(200))
+    for n_sink, exact in [(4, True), (0, False)]:
+        cache, _ = prefill(model, ids, Quant(bits=2, group_size=16, residual=16, n_sink=n_sink))
+        k, v, p = cache.layers[0].compressor.materialize(cache.layers[0].state)
+        assert p[0, 0].tolist() == list(range(200))
+        assert torch.equal(k[..., :4, :], keys[..., :4, :]) is exact
+        assert torch.equal(v[..., :4, :], values[..., :4, :]) is exact
+        assert not torch.equal(k[..., 4:20, :], keys[..., 4:20, :])  # the next tokens are quantized
 
 
 # -- decoding ------------------------------------------------------------------------------------------------
@@ -133,7 +159,7 @@ def test_residual_flush_keeps_cache_quantized_for_300_steps(tiny):
         quantized = int(c.layers[0].state.quantized_tokens.min())
         assert quantized >= last and quantized % group == 0
         last = quantized
-    assert last == (n_prompt + 300 - residual) // group * group > quantized_before
+    assert last == (n_prompt + 300 - 4 - residual) // group * group > quantized_before  # 4 sinks stay
     _, _, positions = cache.layers[1].compressor.materialize(cache.layers[1].state)
     assert sorted(positions[0, 0].tolist()) == list(range(n_prompt + 300))  # every token once, in its group
 
@@ -229,14 +255,13 @@ def test_8_bits_stays_close_to_uncompressed(tiny):
 def test_compose_with_snapkv_multiplies_memory_factor(tiny):
     model, tokenizer = tiny
     ids = random_ids(128, 10)
-    alone, _ = prefill(model, ids, Quant(bits=4, group_size=32, residual=0))
-    composed, _ = prefill(
-        model, ids, Compose(SnapKV(compression_ratio=0.5), Quant(bits=4, group_size=32, residual=0))
-    )
+    quant = Quant(bits=4, group_size=32, residual=0, n_sink=0)  # whole groups only: the factor doubles exactly
+    alone, _ = prefill(model, ids, quant)
+    composed, _ = prefill(model, ids, Compose(SnapKV(compression_ratio=0.5), quant))
     assert all(k.tolist() == [[64, 64]] for k in composed.kept_tokens())
     assert composed.memory_factor() == pytest.approx(2 * alone.memory_factor())
     # Through both generate paths, with a residual window and flushes while decoding.
-    compressor = Compose(SnapKV(compression_ratio=0.5), Quant(bits=4, group_size=16, residual=16))
+    compressor = Compose(SnapKV(compression_ratio=0.5), Quant(bits=4, group_size=16, residual=16, n_sink=0))
     cache = CompressedCache(model, compressor)
     prompt = tokenizer(CONTEXTS[0] + QUESTIONS[0], return_tensors="pt")["input_ids"]
     out = model.generate(prompt, cache=cache, max_new_tokens=20, do_sample=False, pad_token_id=2)
@@ -304,6 +329,8 @@ def test_bad_bits_is_a_clear_error(bits):
         ({"group_size": 0}, "group_size must be a positive"),
         ({"group_size": -4}, "group_size must be a positive"),
         ({"residual": -1}, "residual must be a non-negative"),
+        ({"n_sink": -1}, "n_sink must be a non-negative"),
+        ({"n_sink": 2.0}, "n_sink must be a non-negative"),
     ],
 )
 def test_bad_group_or_residual_is_a_clear_error(kwargs, match):

@@ -37,7 +37,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``[..., m]`` uint8 -> ``[..., m * 8 // bits]`` uint8 codes."""
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], -1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))  # explicit: may hold 0 groups
 
 
 def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,7 +91,7 @@ def dequantize_values(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_values`: -> ``[B, H, N, G, D]``."""
     codes = unpack(packed, bits)
-    codes = codes.reshape(*codes.shape[:-1], scale.shape[-1], -1)
+    codes = codes.reshape(*codes.shape[:-1], scale.shape[-1], codes.shape[-1] // max(scale.shape[-1], 1))
     return dequantize(codes, scale, zero, dim=-1, dtype=dtype).flatten(-2)
 
 
