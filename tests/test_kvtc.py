@@ -424,3 +424,49 @@ def test_rate_distortion_benchmark_writes_its_table(tiny, artifact, tmp_path):
     assert (tmp_path / "L384" / "niah_single_1" / "agnostic" / "kvtc-factor8-window32" / "results.jsonl").is_file()
     assert float(table[0]["memory_factor"]) == 1.0 and float(table[2]["memory_factor"]) > 1.5
     assert rows[2]["agreement"] is not None and rows[2]["n"] == 1
+
+
+# -- the grouping bound (experiments/kvtc_bound.py) ------------------------------------------------------------
+def test_water_filling_matches_the_closed_form():
+    from experiments.kvtc_bound import water_filling
+
+    # n equal variances: D = n * var * 2**(-2R/n) while every component gets rate.
+    assert water_filling(np.full(8, 3.0), 16) == pytest.approx(8 * 3.0 * 2.0 ** (-4), rel=1e-6)
+    # Unequal: a component below the water level gets no bits and keeps its variance.
+    variances = np.array([16.0, 4.0, 1e-4])
+    d = water_filling(variances, 3)  # two active: log2(16/t)/2 + log2(4/t)/2 = 3 -> t = 1; the third keeps 1e-4
+    assert d == pytest.approx(1.0 + 1.0 + 1e-4, rel=1e-6)
+    assert water_filling(variances, 0) == pytest.approx(variances.sum())
+    assert water_filling(variances, 40) < water_filling(variances, 20) < d
+
+
+def test_grouping_bound_on_correlated_heads():
+    from experiments.kvtc_bound import grouping_bound, heldout_variances
+
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randn(2, 4000, 1, 8, generator=gen)
+    x = shared.expand(2, 4000, 3, 8) + 0.05 * torch.randn(2, 4000, 3, 8, generator=gen)  # heads nearly equal
+    variances = heldout_variances(x[0].reshape(4000, 24))
+    assert variances[0] >= variances[-1] and variances[:8].sum() > 0.95 * variances.sum()  # 8 shared directions
+    head, layer = grouping_bound(x, 16, "head"), grouping_bound(x, 16, "layer")
+    assert layer < 0.5 * head  # concatenating heads codes the shared part once
+    assert grouping_bound(x, 16, "layers2") <= layer * 1.05
+    with pytest.raises(ValueError, match="grouping must be"):
+        grouping_bound(x, 16, "rows")
+
+
+def test_kvtc_bound_command_writes_its_table(tiny, artifact, tmp_path, monkeypatch):
+    import csv
+
+    from experiments import kvtc_bound
+
+    monkeypatch.setattr(kvtc_bound, "load_model", lambda name: tiny)
+    assert kvtc_bound.main(["--model", "tiny", "--tokens", "600", "--seq-len", "200", "--factors", "4", "16",
+                            "--artifact", artifact, "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "kvtc_bound.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["kind"], float(r["factor"])) for r in rows] == [("keys", 4), ("keys", 16), ("values", 4),
+                                                              ("values", 16)]
+    for r in rows:
+        assert 0 <= float(r["bound_layer"]) <= float(r["bound_head"]) * 1.05 and 0 < float(r["kvtc_dp"]) < 1
+    assert float(rows[1]["bound_head"]) > float(rows[0]["bound_head"])  # fewer bits, more distortion
