@@ -27,7 +27,7 @@ import torch
 
 from kvcomp import kvtc_calibration as calibration
 from kvcomp import load_model
-from kvcomp.transform_coding import BITS, allocate_bits
+from kvcomp.transform_coding import BITS
 
 
 def heldout_variances(x: torch.Tensor, train_fraction: float = 0.75) -> np.ndarray:
@@ -84,15 +84,12 @@ def grouping_bound(x: torch.Tensor, factor: float, grouping: str, dtype_bits: in
 def dp_distortion(cal: calibration.Calibration, kind: int, factor: float, group_size: int = 4,
                   dtype_bits: int = 32) -> float:
     """Relative squared error of KVTC's DP allocation on the calibration tables (all layers and heads)."""
-    budget = calibration.allocation_budget(cal.err.shape[-1], dtype_bits, factor)
-    column = {b: i for i, b in enumerate(BITS)}
     error = total = 0.0
     for layer in range(cal.err.shape[0]):
-        for head in range(cal.err.shape[1]):
-            err, rate = cal.err[layer, head, kind].numpy(), cal.rate[layer, head, kind].numpy()
-            bits = allocate_bits(err, rate, budget, group_size)
-            error += float(sum(err[column[int(b)], i] for i, b in enumerate(bits)))
-            total += float(cal.variance[layer, head, kind].sum())
+        bits = calibration.allocate(cal, layer, dtype_bits, factor, group_size)[:, kind]  # [H, D]
+        column = torch.bucketize(bits.contiguous(), torch.tensor(BITS))  # the err table's row of each width
+        error += float(cal.err[layer, :, kind].gather(1, column.unsqueeze(1)).sum())
+        total += float(cal.variance[layer, :, kind].sum())
     return error / total
 
 
