@@ -7,8 +7,8 @@ The first ``n_sink`` tokens of each row and KV head and its newest ``window`` to
 tokens stay in full precision. Whenever the window reaches ``window + block_size`` tokens its oldest
 ``block_size`` become one coded block: keys lose their RoPE rotation (positions from ``ctx.positions``, the
 model's ``inv_freq``/``attention_scaling`` from the artifact), keys and values are projected on their layer's
-and KV head's PCA basis, each group of ``group_size`` components is quantized with the bit width (0, 2, 4 or 8)
-the DP chose, and the block is zstd-coded into a ``bytes`` object (layout in :mod:`kvcomp.transform_coding`).
+and KV head's PCA basis, each group of ``group_size`` components is quantized with the quantizer option (a
+stored width of 0, 2, 4 or 8 bits and a calibrated step) the DP chose, and the block is zstd-coded into a ``bytes`` object (layout in :mod:`kvcomp.transform_coding`).
 Prefill codes every whole block beyond the window at once.
 
 Rate. ``compression_factor`` is the target for the coded tokens over the uncompressed cache in the run's
@@ -96,6 +96,11 @@ class KVTC(Compressor):
         if self.artifact is not None:
             self._calibration = calibration.load_artifact(self.artifact)
 
+    def params(self) -> dict:
+        """The fields plus ``calibration``: the digest of the loaded artifact (None before :meth:`bind`), so a
+        resumed run does not mix records coded with another calibration."""
+        return {**super().params(), "calibration": self._calibration.digest if self._calibration else None}
+
     # -- calibration ---------------------------------------------------------------------------------------
     def bind(self, model) -> None:
         if self._calibration is None:
@@ -131,12 +136,7 @@ class KVTC(Compressor):
             cal = self.calibration
             if layer >= cal.basis.shape[0]:
                 raise CompressorError(f"the KVTC artifact {cal.path} has {cal.basis.shape[0]} layers, not {layer + 1}.")
-            bits = calibration.allocate(cal, layer, key[1], float(self.compression_factor), self.group_size)
-            index = {b: i for i, b in enumerate(tc.BITS[1:])}
-            steps = cal.step[layer]  # [H, 2, 3, D]
-            step = torch.zeros(bits.shape)
-            for b, i in index.items():
-                step = torch.where(bits == b, steps[:, :, i], step)
+            _, bits, step = calibration.allocate(cal, layer, key[1], float(self.compression_factor), self.group_size)
             level, basis, mean = tc.max_level(bits).float(), cal.basis[layer].float(), cal.mean[layer].float()
             scaled = basis * step[..., None]  # [H, 2, C, D]: dequantization is (code - level) * step
             offset = mean - torch.einsum("hkc,hkcd->hkd", level, scaled)

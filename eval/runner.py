@@ -554,6 +554,8 @@ def run(
 
 def _run_config(model, compressor: Compressor | None, query_aware: bool, model_name: str | None,
                 lossless: Lossless | None = None) -> dict[str, Any]:
+    if compressor is not None:  # loads what the method needs (a KVTC artifact) now, and into its params
+        compressor.bind(model)
     return {
         "compressor": describe_compressor(compressor),
         "query_aware": query_aware,

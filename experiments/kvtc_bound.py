@@ -11,8 +11,8 @@ a target compression factor (reverse water-filling over the held-out variances, 
 bound): ``head`` (one basis per KV head, kvcomp's choice), ``layer`` (a layer's heads concatenated) and
 ``layers<k>`` (``k`` consecutive layers and their heads concatenated). Distortion is relative: the summed
 squared error over the summed held-out variance. With ``--artifact`` (or the model's default artifact when it
-exists), the ``kvtc_dp`` column is what KVTC's own DP allocation reaches on the calibration tables (0/2/4/8-bit
-widths, calibration tokens: an in-sample figure), i.e. how far the practical quantizer sits from its grouping's
+exists), the ``kvtc_dp`` column is what KVTC's own DP allocation reaches on the calibration tables (its quantizer
+options, calibration tokens: an in-sample figure), i.e. how far the practical quantizer sits from its grouping's
 bound. Writes ``kvtc_bound.csv`` (one row per kind and factor).
 """
 
@@ -27,7 +27,6 @@ import torch
 
 from kvcomp import kvtc_calibration as calibration
 from kvcomp import load_model
-from kvcomp.transform_coding import BITS
 
 
 def heldout_variances(x: torch.Tensor, train_fraction: float = 0.75) -> np.ndarray:
@@ -86,9 +85,8 @@ def dp_distortion(cal: calibration.Calibration, kind: int, factor: float, group_
     """Relative squared error of KVTC's DP allocation on the calibration tables (all layers and heads)."""
     error = total = 0.0
     for layer in range(cal.err.shape[0]):
-        bits = calibration.allocate(cal, layer, dtype_bits, factor, group_size)[:, kind]  # [H, D]
-        column = torch.bucketize(bits.contiguous(), torch.tensor(BITS))  # the err table's row of each width
-        error += float(cal.err[layer, :, kind].gather(1, column.unsqueeze(1)).sum())
+        option = calibration.allocate(cal, layer, dtype_bits, factor, group_size).option[:, kind]  # [H, D]
+        error += float(cal.err[layer, :, kind].gather(1, option.unsqueeze(1)).sum())
         total += float(cal.variance[layer, :, kind].sum())
     return error / total
 

@@ -12,7 +12,7 @@ shared, so fidelity (exact match, agreement, first divergence) is computed once.
 ``decode_s``. A quant point is bits or ``bits:n_sink`` (``4:0``: the first tokens quantized too, KIVI as
 published; the default keeps 4 attention sinks in full precision). A KVTC point is a target factor or ``factor:window`` (its full-precision recent window; the
 default is KVTC's 128, which at 4K tokens alone caps memory_factor near 25). KVTC uses ``--artifact``, else the model's default artifact, calibrating it
-first when it does not exist (``--calibration-tokens`` tokens of the default offline text).
+first when it does not exist or is of an older version (``--calibration-tokens`` tokens of the default offline text).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def parse_kvtc(spec) -> tuple[float | int, int | None]:
 
 def ensure_artifact(model, tokenizer, artifact: str | None, tokens: int) -> str:
     path = Path(artifact) if artifact else calibration.default_artifact_path(model)
-    if not path.is_file():
+    if not path.is_file() or (not artifact and not calibration.is_current(path)):  # the default one is ours to renew
         t0 = time.perf_counter()
         calibration.calibrate(model, tokenizer, path, tokens=tokens)
         print(f"calibrated KVTC on {tokens} tokens in {time.perf_counter() - t0:.0f} s -> {path}", flush=True)

@@ -13,13 +13,14 @@ different tokens in each KV head, so a per-token vector across heads does not ex
 also need far fewer calibration tokens than a ``layers * heads * D``-dimensional PCA (5760 dimensions on
 SmolLM2-135M).
 
-For each component and bit width (2, 4, 8) the artifact stores the quantizer step (the clipping range on a
-grid of multiples of the component's standard deviation that minimises the squared error on the calibration
-coefficients; at 8 bits at least 1.5 times the largest calibration coefficient, so that text unlike the
-calibration text is not clipped where the budget asks for near-lossless coding), that squared error, and the empirical entropy of the codes (bits per token: the rate an
-entropy coder can reach). The bit allocation for a target compression factor is computed from these tables
-when KVTC loads the artifact (:func:`kvcomp.transform_coding.allocate_bits`), so one artifact serves every
-factor and dtype.
+For each component and quantizer option (a stored width of 2, 4 or 8 bits and a step, see
+:mod:`kvcomp.transform_coding`) the artifact stores the step, the squared error on the calibration
+coefficients and the empirical entropy of the codes (bits per token: the rate an entropy coder can reach). A
+width's first step is the clipping range on a grid of multiples of the component's standard deviation that
+minimises the squared error (at 8 bits at least 1.5 times the largest calibration coefficient, so that text
+unlike the calibration text is not clipped where the budget asks for near-lossless coding); its other steps
+are that one times ``sqrt(2)**j``. The allocation for a target compression factor is computed from these
+tables when KVTC loads the artifact (:func:`allocate`), so one artifact serves every factor and dtype.
 
 Default text (no download): docstrings of the Python standard library, read with :mod:`ast`. RULER's
 offline ``essay`` haystacks come from ``pydoc_data.topics`` first and reach the docstrings only beyond about
@@ -35,15 +36,24 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvcomp.compressor import CompressorError
-from kvcomp.transform_coding import BITS, dequantize, max_level, quantize, undo_rope
+from kvcomp.transform_coding import (
+    BITS,
+    OPTION_BITS,
+    OPTION_SCALE,
+    dequantize,
+    max_level,
+    quantize,
+    undo_rope,
+)
 
 FORMAT = "kvcomp-kvtc"
-VERSION = 1
+VERSION = 2  # 2: several quantizer steps per width (option tables); 1: one step per width
 _CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rope_parameters", "rope_scaling",
                 "partial_rotary_factor", "max_position_embeddings")
@@ -149,21 +159,26 @@ def collect(model, tokenizer, text: str, tokens: int, seq_len: int, n_sink: int)
 
 
 def _quantizer_tables(y: torch.Tensor, sigma: torch.Tensor):
-    """For coefficients ``y`` ``[N, D]``: per bit width, the best step ``[D]``, its squared error and rate."""
+    """For coefficients ``y`` ``[N, D]``: per quantizer option, the step ``[D]`` (options 1..), its squared
+    error and rate (option 0, dropping the component, first)."""
     steps, errs, rates = [], [(y * y).mean(0)], [torch.zeros(y.shape[1])]
     sample = y[torch.linspace(0, y.shape[0] - 1, min(_SEARCH_TOKENS, y.shape[0])).long()]
+    base = {}
     for bits in BITS[1:]:
         m = max_level(bits)
         grid = _STEP_GRID.view(-1, 1) * sigma.clamp_min(1e-12).view(1, -1) / m  # [G, D]
         level = torch.full_like(grid[:, None], float(m))
         recon = dequantize(quantize(sample[None], grid[:, None], level), grid[:, None], level)
         best = ((recon - sample[None]) ** 2).mean(1).argmin(0)  # [D]
-        step = grid.gather(0, best.view(1, -1))[0]
+        base[bits] = grid.gather(0, best.view(1, -1))[0]
         if bits == BITS[-1]:  # the near-lossless width never clips what calibration saw, with a margin
-            step = torch.maximum(step, _MARGIN * y.abs().amax(0) / m)
-        codes = quantize(y, step, torch.tensor(float(m)))
-        errs.append(((dequantize(codes, step, torch.tensor(float(m))) - y) ** 2).mean(0))
-        counts = torch.zeros(y.shape[1], 2 * m + 1).scatter_add_(1, codes.T.long(), torch.ones(codes.T.shape))
+            base[bits] = torch.maximum(base[bits], _MARGIN * y.abs().amax(0) / m)
+    for bits, scale in zip(OPTION_BITS[1:], OPTION_SCALE[1:]):
+        m = torch.tensor(float(max_level(bits)))
+        step = base[bits] * scale
+        codes = quantize(y, step, m)
+        errs.append(((dequantize(codes, step, m) - y) ** 2).mean(0))
+        counts = torch.zeros(y.shape[1], 2 * int(m) + 1).scatter_add_(1, codes.T.long(), torch.ones(codes.T.shape))
         p = counts / counts.sum(1, keepdim=True)
         rates.append(-(p * torch.log2(p.clamp_min(1e-30))).sum(1))
         steps.append(step)
@@ -199,7 +214,8 @@ def calibrate(model, tokenizer, out: str | os.PathLike, text: str | None = None,
     keys, values = collect(model, tokenizer, text, tokens, seq_len, n_sink)
     tensors = fit(keys, values)
     inv_freq, scaling = rotary(model)
-    tensors.update(inv_freq=inv_freq, probe=weight_probe(model))
+    tensors.update(inv_freq=inv_freq, probe=weight_probe(model), option_bits=torch.tensor(OPTION_BITS),
+                   option_scale=torch.tensor(OPTION_SCALE))
     meta = {"format": FORMAT, "version": str(VERSION), **{k: str(v) for k, v in model_identity(model).items()},
             "attention_scaling": repr(scaling), "tokens": str(keys.shape[1]), "seq_len": str(seq_len),
             "n_sink": str(n_sink), "data": source, "bits": ",".join(map(str, BITS))}
@@ -213,12 +229,14 @@ def calibrate(model, tokenizer, out: str | os.PathLike, text: str | None = None,
 @dataclass
 class Calibration:
     """A loaded artifact. basis ``[L, H, 2, D, D]`` (rows: components in variance order; index 2: keys,
-    values), mean/variance ``[L, H, 2, D]``, step ``[L, H, 2, 3, D]`` (2, 4, 8 bits), err/rate
-    ``[L, H, 2, 4, D]`` (0, 2, 4, 8 bits), inv_freq ``[D_rot / 2]``, probe ``[256]``."""
+    values), mean/variance ``[L, H, 2, D]``, step ``[L, H, 2, O - 1, D]`` (quantizer options 1..), err/rate
+    ``[L, H, 2, O, D]`` (option 0, dropping the component, first), option_bits/option_scale ``[O]`` (stored
+    width and step multiple of each option), inv_freq ``[D_rot / 2]``, probe ``[256]``."""
 
     tensors: dict[str, torch.Tensor]
     meta: dict[str, str]
     path: str
+    digest: str = ""  # sha256 of the file (first 16 hex digits): which calibration a run used
 
     def __getattr__(self, name):
         try:
@@ -250,6 +268,15 @@ class Calibration:
             )
 
 
+def is_current(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a KVTC artifact of the version this kvcomp reads (False for older ones)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path).expanduser()), framework="pt") as f:
+        meta = f.metadata() or {}
+    return meta.get("format") == FORMAT and meta.get("version") == str(VERSION)
+
+
 def load_artifact(path: str | os.PathLike, model=None) -> Calibration:
     """Read a KVTC artifact (checked against ``model`` when given)."""
     from safetensors import safe_open
@@ -267,7 +294,7 @@ def load_artifact(path: str | os.PathLike, model=None) -> Calibration:
                 f"Recalibrate with: {CALIBRATE_COMMAND}"
             )
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    cal = Calibration(tensors, meta, str(path))
+    cal = Calibration(tensors, meta, str(path), hashlib.sha256(path.read_bytes()).hexdigest()[:16])
     if model is not None:
         cal.check_model(model)
     return cal
@@ -278,12 +305,23 @@ def allocation_budget(head_dim: int, dtype_bits: int, compression_factor: float)
     return head_dim * dtype_bits / compression_factor
 
 
-def allocate(cal: Calibration, layer: int, dtype_bits: int, compression_factor: float, group_size: int):
-    """``[H, 2, D]`` int bits per component of ``layer`` (keys and values of each KV head)."""
-    from kvcomp.transform_coding import allocate_bits
+class Allocation(NamedTuple):
+    """Per-component choice for one layer, each ``[H, 2, D]`` (keys and values of each KV head): ``option``
+    (index into the artifact's tables), ``bits`` (stored width, 0 for dropped) and ``step`` (0 for dropped)."""
 
-    err, rate = cal.err[layer].numpy(), cal.rate[layer].numpy()  # [H, 2, 4, D]
+    option: torch.Tensor
+    bits: torch.Tensor
+    step: torch.Tensor
+
+
+def allocate(cal: Calibration, layer: int, dtype_bits: int, compression_factor: float, group_size: int) -> Allocation:
+    """The DP's quantizer option per component of ``layer`` for a target factor."""
+    from kvcomp.transform_coding import allocate_options
+
+    err, rate = cal.err[layer].numpy(), cal.rate[layer].numpy()  # [H, 2, O, D]
     budget = allocation_budget(err.shape[-1], dtype_bits, compression_factor)
-    bits = [[allocate_bits(err[h, kind], rate[h, kind], budget, group_size) for kind in range(2)]
-            for h in range(err.shape[0])]
-    return torch.from_numpy(np.array(bits))
+    option = torch.from_numpy(np.array([[allocate_options(err[h, kind], rate[h, kind], budget, group_size)
+                                         for kind in range(2)] for h in range(err.shape[0])]))
+    steps = torch.cat([torch.zeros_like(cal.step[layer][:, :, :1]), cal.step[layer]], dim=2)  # [H, 2, O, D]
+    step = steps.gather(2, option.unsqueeze(2)).squeeze(2)
+    return Allocation(option, cal.option_bits[option], step)

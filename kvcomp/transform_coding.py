@@ -4,11 +4,15 @@ entropy-coded blocks and blockwise attention with an online softmax.
 Used by :mod:`compressors.kvtc`; the calibration that produces the per-component statistics lives in
 :mod:`kvcomp.kvtc_calibration`.
 
-Quantizer. A principal-component coefficient ``y`` coded with ``b`` bits (``b`` in 2, 4, 8) is rounded to one
-of ``2 * m + 1`` symmetric levels ``k * step`` (``m = 2**(b-1) - 1``: 3, 15 or 255 levels, zero included),
-stored as the byte ``k + m``. The step of each component and bit width is calibrated once (the clipping range
-minimising the squared error on calibration data) and lives in the artifact, so a sequence stores no scales.
-``b = 0`` drops the component (reconstructed as the calibration mean).
+Quantizer. A principal-component coefficient ``y`` stored in a width of ``b`` bits (``b`` in 2, 4, 8) is
+rounded to one of ``2 * m + 1`` symmetric levels ``k * step`` (``m = 2**(b-1) - 1``: 3, 15 or 255 levels, zero
+included), stored as the byte ``k + m``. Each width comes with several steps (:data:`STEP_MULTIPLES`): the
+width's calibrated step (the clipping range minimising the squared error on calibration data) and coarser
+ones ``sqrt(2)`` apart. With an entropy coder behind it, a coarser step is a lower rate at a higher error, so
+the menu of (width, step) *options* fills the rate-distortion curve between the widths (one step per width
+left the DP only 0, ~1.5, ~3.5 and ~6 bits per component and it sat ~2.8x above the Gaussian bound,
+``experiments/kvtc_bound.py``). Steps live in the calibration artifact, so a sequence stores no scales.
+Option 0 drops the component (reconstructed as the calibration mean).
 
 Coded block. ``block_size`` tokens of one row and KV head (layout in :func:`encode_block`): a small header,
 the positions (the first one alone when they are contiguous), then for keys and for values one zstd frame
@@ -27,6 +31,12 @@ import zstandard
 from kvcomp.compressor import SENTINEL
 
 BITS = (0, 2, 4, 8)
+# Steps per stored width: the width's calibrated step times sqrt(2)**j, j < STEP_MULTIPLES[width]. The coarsest
+# step of a width reaches about the finest of the next narrower one (8 bits: ~0.1 sigma .. ~0.5 sigma).
+STEP_MULTIPLES = {2: 3, 4: 4, 8: 6}
+# Option index -> stored width; option 0 drops the component.
+OPTION_BITS = (0,) + tuple(b for b in BITS[1:] for _ in range(STEP_MULTIPLES[b]))
+OPTION_SCALE = (0.0,) + tuple(2.0 ** (j / 2) for b in BITS[1:] for j in range(STEP_MULTIPLES[b]))
 ZSTD_LEVEL = 9
 _PARAMS = zstandard.ZstdCompressionParameters.from_level(
     ZSTD_LEVEL, format=zstandard.FORMAT_ZSTD1_MAGICLESS, write_content_size=0, write_checksum=0, write_dict_id=0
@@ -110,38 +120,38 @@ def dequantize(codes: torch.Tensor, step: torch.Tensor, level: torch.Tensor) -> 
 
 
 # -- bit allocation ------------------------------------------------------------------------------------------
-def allocate_bits(err: np.ndarray, rate: np.ndarray, budget: float, group_size: int, resolution: int = 8):
+def allocate_options(err: np.ndarray, rate: np.ndarray, budget: float, group_size: int, resolution: int = 8):
     """Dynamic programming over groups of ``group_size`` consecutive components (variance order).
 
-    err, rate: ``[len(BITS), C]`` squared error and coded bits per token of each component at each bit width
-    (calibration statistics; ``rate`` of 0 bits is 0). Chooses one width per group minimising the summed error
-    with the summed rate at most ``budget`` bits per token (rates rounded up to ``1/resolution`` bit).
-    Returns ``[C]`` int bits per component.
+    err, rate: ``[n_options, C]`` squared error and coded bits per token of each component under each quantizer
+    option (calibration statistics; option 0 drops the component: its rate is 0). Chooses one option per group
+    minimising the summed error with the summed rate at most ``budget`` bits per token (rates rounded up to
+    ``1/resolution`` bit). Returns ``[C]`` int option indices.
     """
-    n_bits, c = err.shape
+    n_options, c = err.shape
     n_groups = -(-c // group_size)
     cap = max(0, int(np.floor(budget * resolution)))
     g_err = np.stack([err[:, g * group_size:(g + 1) * group_size].sum(1) for g in range(n_groups)], 1)
     g_rate = np.stack([rate[:, g * group_size:(g + 1) * group_size].sum(1) for g in range(n_groups)], 1)
-    g_cost = np.ceil(g_rate * resolution - 1e-9).astype(np.int64)  # [n_bits, n_groups]
+    g_cost = np.ceil(g_rate * resolution - 1e-9).astype(np.int64)  # [n_options, n_groups]
     cap = min(cap, int(g_cost.max(0).sum()))
     best = np.zeros(cap + 1)  # best[r]: least error of the groups so far with rate <= r
     choice = np.zeros((n_groups, cap + 1), dtype=np.int64)
     for g in range(n_groups):
-        options = np.full((n_bits, cap + 1), np.inf)
-        for j in range(n_bits):
+        options = np.full((n_options, cap + 1), np.inf)
+        for j in range(n_options):
             cost = g_cost[j, g]
             if cost <= cap:
                 options[j, cost:] = best[: cap + 1 - cost] + g_err[j, g]
         choice[g] = options.argmin(0)
         best = options.min(0)
-    bits = np.zeros(c, dtype=np.int64)
+    chosen = np.zeros(c, dtype=np.int64)
     r = cap
     for g in reversed(range(n_groups)):
         j = choice[g, r]
-        bits[g * group_size:(g + 1) * group_size] = BITS[j]
+        chosen[g * group_size:(g + 1) * group_size] = j
         r -= g_cost[j, g]
-    return bits
+    return chosen
 
 
 # -- coded blocks --------------------------------------------------------------------------------------------
