@@ -8,7 +8,8 @@ tokens stay in full precision. Whenever the window reaches ``window + block_size
 ``block_size`` become one coded block: keys lose their RoPE rotation (positions from ``ctx.positions``, the
 model's ``inv_freq``/``attention_scaling`` from the artifact), keys and values are projected on their layer's
 and KV head's PCA basis, each group of ``group_size`` components is quantized with the quantizer option (a
-stored width of 0, 2, 4 or 8 bits and a calibrated step) the DP chose, and the block is zstd-coded into a ``bytes`` object (layout in :mod:`kvcomp.transform_coding`).
+stored width of 0, 2, 4 or 8 bits and a calibrated step) the DP chose, and the block is zstd-coded into a
+``bytes`` object (layout in :mod:`kvcomp.transform_coding`).
 Prefill codes every whole block beyond the window at once.
 
 Rate. ``compression_factor`` is the target for the coded tokens over the uncompressed cache in the run's
