@@ -663,14 +663,20 @@ def run_grid(
             continue
         parts = [split_prompt(tokenizer, s.context, s.question, s.answer_prefix, s.chat_template)]
         pre = shared_prefill.prefill(model, parts, query_aware, pad_id)
+        uncompressed = None
         if references.get(key) is None:
-            ids, _ = shared_prefill.continue_from(model, pre, None, s.max_new_tokens, pad_id, stop_ids)
+            uncompressed = shared_prefill.continue_from(model, pre, None, s.max_new_tokens, pad_id, stop_ids)
+            ids = uncompressed[0]
             references.add([{"key": key, "id": s.id, "token_ids": ids[0],
                              "text": tokenizer.decode(ids[0], skip_special_tokens=True)}])
         ref_ids = [references.get(key)["token_ids"]]
         for label in labels:
-            rows, stats = shared_prefill.continue_from(model, pre, resolved[label], s.max_new_tokens, pad_id,
-                                                       stop_ids)
+            if resolved[label] is None and uncompressed is not None:
+                # An uncompressed label runs exactly the decode the reference just ran: keep it, do not redo it.
+                rows, stats = uncompressed
+            else:
+                rows, stats = shared_prefill.continue_from(model, pre, resolved[label], s.max_new_tokens, pad_id,
+                                                           stop_ids)
             out = _batch_result(tokenizer, parts, rows, stats, resolved[label])
             record = _records(task_samples, [s], out, configs[label], mode, ref_ids)[0]
             record.update(compress_seconds=stats["compress_seconds"],

@@ -18,6 +18,7 @@ from eval.runner import (
     summarize,
     summarize_by,
 )
+from kvcomp import shared_prefill
 
 TASK = "ruler/niah_single_1"
 FIELDS = {
@@ -160,7 +161,7 @@ def test_resume_adds_only_missing_records(tiny, task, tmp_path):
     assert strip(load_records(out)) == strip(load_records(whole))
 
 
-def test_run_grid_matches_one_run_per_compressor_and_resumes(tiny, task, tmp_path):
+def test_run_grid_matches_one_run_per_compressor_and_resumes(tiny, task, tmp_path, monkeypatch):
     from compressors.h2o import H2O
     from compressors.snapkv import SnapKV
 
@@ -172,8 +173,20 @@ def test_run_grid_matches_one_run_per_compressor_and_resumes(tiny, task, tmp_pat
     run_grid(model, tok, first, {"snapkv": grid["snapkv"]}, query_aware=False, out_dir=tmp_path / "g", progress=False)
     with pytest.raises(RunConfigMismatch):  # another compressor under a label that already has records
         run_grid(model, tok, task, {"snapkv": "h2o"}, query_aware=False, out_dir=tmp_path / "g", progress=False)
+    calls = []
+    original = shared_prefill.continue_from
+
+    def counting(model, pre, compressor, *args):
+        calls.append(compressor)
+        return original(model, pre, compressor, *args)
+
+    monkeypatch.setattr(shared_prefill, "continue_from", counting)
     summaries = run_grid(model, tok, task, grid, query_aware=False, out_dir=tmp_path / "g", progress=False)
     assert set(summaries) == set(grid) and all(s["n"] == 3 for s in summaries.values())
+    # One uncompressed decode per sample serves both the reference and the "none" label. The first sample
+    # has its reference (and snapkv) from the interrupted run: "none" and h2o decode there (2 calls); the
+    # other two samples decode the reference once, then h2o and snapkv (3 calls each).
+    assert sum(c is None for c in calls) == 3 and len(calls) == 8
     assert len(_lines(tmp_path / "g" / REFERENCE_FILE)) == 3
     for label, compressor in grid.items():
         assert json.loads((tmp_path / "g" / label / "summary.json").read_text())["n"] == 3
