@@ -39,8 +39,7 @@ def _parse_param(text: str) -> tuple[str, object]:
 def _load(args):
     from kvcomp import load_model
 
-    name = None if args.model == "embedded" else args.model
-    return load_model(name, dtype=args.dtype)
+    return load_model(args.model, dtype=args.dtype)
 
 
 def _generate(args) -> int:

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/kvtc_bound")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
-    model, tokenizer = load_model(None if args.model == "embedded" else args.model)
+    model, tokenizer = load_model(args.model)
     artifact = Path(args.artifact) if args.artifact else calibration.default_artifact_path(model)
     cal = calibration.load_artifact(artifact, model) if artifact.is_file() else None
     keys, values = calibration.collect(model, tokenizer, calibration.default_text(), args.tokens, args.seq_len,

