@@ -72,9 +72,17 @@ class H2O(TokenSelection):
 
     def prefill(self, layer, q, k, v, ctx):
         store = store_from_block(k, v, ctx)
+
+        def accumulate():
+            return accumulated_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions, ctx.scaling)
+
         # Every prompt token gets its accumulated attention, also when nothing is evicted yet, so that
-        # decode-time eviction starts from the prompt's statistics.
-        store.scores = accumulated_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions, ctx.scaling)
+        # decode-time eviction starts from the prompt's statistics. It is the same for every budget: a sweep
+        # sharing one prefill (kvcomp.shared_prefill) computes it once per layer.
+        if ctx.shared is None:
+            store.scores = accumulate()
+        else:
+            store.scores = ctx.shared.get("h2o.accumulated_attention", accumulate).clone()
         store.scores.masked_fill_(~store.valid, 0.0)
         n_real = store.valid[:, 0].sum(-1)
         budget = self.kept_tokens(n_real)

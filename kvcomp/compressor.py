@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -54,6 +55,33 @@ class Capabilities:
     supports_batch: bool = True
 
 
+class SharedWork:
+    """Results several compressors compute from the same prefill of a layer, computed once.
+
+    :mod:`kvcomp.shared_prefill` hands every compressor of a sweep the same ``q``/``k``/``v``/``ctx`` of a
+    layer, so a statistic that depends on those alone (H2O's accumulated attention, whatever its budget)
+    need not be recomputed per compressor: ``ctx.shared.get(key, compute)`` computes it on first use and
+    returns the stored value afterwards. The key must name everything the value depends on beyond the
+    layer's prefill. Callers must not modify a returned tensor in place (clone it first).
+    ``saved_seconds`` adds up what the stored values cost to compute, each time one is reused, so a caller
+    can report what a compressor's prefill costs on its own.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[Any, tuple[Any, float]] = {}
+        self.saved_seconds = 0.0
+
+    def get(self, key, compute):
+        if key in self._values:
+            value, seconds = self._values[key]
+            self.saved_seconds += seconds
+            return value
+        t0 = time.perf_counter()
+        value = compute()
+        self._values[key] = (value, time.perf_counter() - t0)
+        return value
+
+
 @dataclass
 class LayerContext:
     """What the framework knows about the tokens handed to a hook.
@@ -73,6 +101,8 @@ class LayerContext:
     scaling: float
     n_groups: int
     question_length: torch.Tensor | None = None
+    # Set by kvcomp.shared_prefill when several compressors build from the same prefill; None otherwise.
+    shared: SharedWork | None = None
 
     @property
     def valid(self) -> torch.Tensor:

@@ -7,7 +7,9 @@ prefill per prompt, not N. :func:`prefill` runs it once and records each layer's
 :class:`~kvcomp.compressor.LayerContext`; :func:`continue_from` builds one compressor's cache from the records
 (calling its ``prefill`` hook exactly as the normal path does), feeds the question in query-agnostic mode and
 decodes greedily. The output is token-identical to :func:`kvcomp.generation.generate_ids` (tested for every
-compressor), because the compressor sees the same tensors.
+compressor), because the compressor sees the same tensors. What a compressor derives from a layer's records
+alone (H2O's accumulated attention, the same for every budget) goes through ``ctx.shared``
+(:class:`~kvcomp.compressor.SharedWork`, one per layer), so a sweep computes it once.
 
 Cost: the records hold every layer's ``q``, ``k`` and ``v`` of the prefilled block at once,
 ``layers x tokens x (H_q + 2 H_kv) x D x dtype bytes`` (about 470 MB for the embedded model at 4K tokens in
@@ -17,8 +19,9 @@ equality test would catch one that did).
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -26,7 +29,7 @@ from transformers import DynamicCache
 
 from kvcomp.attention import install
 from kvcomp.cache import CompressedCache
-from kvcomp.compressor import Capabilities, Compressor
+from kvcomp.compressor import Capabilities, Compressor, SharedWork
 from kvcomp.generation import PromptParts, _left_pad, _positions, decode_greedy
 
 
@@ -63,6 +66,7 @@ class Prefilled:
     query_aware: bool
     seconds: float
     prompt_tokens: list[int]
+    shared: dict[int, SharedWork] = field(default_factory=dict)  # per layer, what compressors computed once
 
 
 @torch.inference_mode()
@@ -101,6 +105,7 @@ def _build_cache(model, pre: Prefilled, compressor: Compressor | None):
     cache = CompressedCache(model, compressor, question_length=pre.cache.question_length)
     for layer, source in zip(cache.layers, pre.cache.layers):
         q, k, v, ctx = pre.recorder.records[layer.layer_idx]
+        ctx = dataclasses.replace(ctx, shared=pre.shared.setdefault(layer.layer_idx, SharedWork()))
         layer.lazy_initialization(k, v)
         layer.seen_total = source.seen_total
         layer.seen = source.seen.clone()
@@ -119,9 +124,13 @@ def continue_from(model, pre: Prefilled, compressor: Compressor | None, max_new_
     question block), so it is what a prefill with this compressor alone costs, up to the recording overhead.
     """
     stop_ids = stop_ids or set()
+    saved_before = sum(w.saved_seconds for w in pre.shared.values())
     t0 = time.perf_counter()
     cache = _build_cache(model, pre, compressor)
-    compress_seconds = time.perf_counter() - t0
+    # What this compressor's prefill costs on its own: statistics an earlier compressor computed (and this one
+    # reused, SharedWork) count at what they cost then.
+    reused = sum(w.saved_seconds for w in pre.shared.values()) - saved_before
+    compress_seconds = time.perf_counter() - t0 + reused
     logits, mask = pre.logits, pre.mask
     if pre.rest is not None:
         ids, block_mask = _left_pad(pre.rest, pad_id)
@@ -129,7 +138,7 @@ def continue_from(model, pre: Prefilled, compressor: Compressor | None, max_new_
         out = model(input_ids=ids.to(mask.device), attention_mask=mask,
                     position_ids=_positions(mask)[:, -ids.shape[1]:], cache=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]
-    prefill_seconds = pre.seconds + time.perf_counter() - t0
+    prefill_seconds = pre.seconds + time.perf_counter() - t0 + reused
     prefill_kept = cache.kept_tokens() if isinstance(cache, CompressedCache) else None
     rows, decode_seconds, steps = decode_greedy(model, cache, logits, mask, max_new_tokens, stop_ids)
     stats = dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=cache,

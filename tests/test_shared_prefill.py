@@ -4,6 +4,8 @@ import pytest
 import torch
 from helpers import CONTEXTS, QUESTIONS, SELECTION_METHODS
 
+import compressors.h2o
+from compressors.h2o import H2O
 from compressors.quant import Quant
 from kvcomp.compressor import Compose
 from kvcomp.generation import generate_ids, split_prompt
@@ -11,7 +13,9 @@ from kvcomp.shared_prefill import continue_from, prefill
 
 
 def _compressors():
-    return [None, *(m(compression_ratio=0.5) for m in SELECTION_METHODS), Quant(bits=4, group_size=8, residual=8),
+    # Two H2O budgets: the second reuses the first's accumulated attention (SharedWork) and must still match.
+    return [None, *(m(compression_ratio=0.5) for m in SELECTION_METHODS), H2O(compression_ratio=0.75),
+            Quant(bits=4, group_size=8, residual=8),
             Compose(SELECTION_METHODS[-1](compression_ratio=0.5), Quant(bits=2, group_size=8, residual=8))]
 
 
@@ -31,6 +35,29 @@ def test_shared_prefill_equals_one_prefill_per_compressor(tiny64, query_aware, r
                 assert torch.equal(a, b)
             assert shared_stats["cache"].resident_bytes() == alone_stats["cache"].resident_bytes()
             assert shared_stats["compress_seconds"] > 0
+
+
+def test_h2o_budgets_share_one_accumulated_attention_per_layer(tiny64, monkeypatch):
+    model, tokenizer = tiny64
+    calls = []
+    original = compressors.h2o.accumulated_attention
+
+    def counting(*args):
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(compressors.h2o, "accumulated_attention", counting)
+    pre = prefill(model, [split_prompt(tokenizer, CONTEXTS[0], QUESTIONS[0])], query_aware=False)
+    layers = model.config.num_hidden_layers
+    for ratio in (0.5, 0.75, 0.9):
+        continue_from(model, pre, H2O(compression_ratio=ratio), max_new_tokens=4)
+    assert len(calls) == layers
+    # What the reuse saved is counted into the later compressors' prefill cost, once per reuse.
+    assert all(w._values and w.saved_seconds > 0 for w in pre.shared.values())
+    # A prefill of its own (no SharedWork) computes it every time.
+    parts = [split_prompt(tokenizer, CONTEXTS[0], QUESTIONS[0])]
+    generate_ids(model, parts, H2O(compression_ratio=0.5), max_new_tokens=4)
+    assert len(calls) == 2 * layers
 
 
 def test_prefill_rejects_empty_prompts(tiny):
