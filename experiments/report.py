@@ -151,14 +151,22 @@ def _colors(df: pd.DataFrame) -> dict[str, str]:
     return {label: f"C{i % 10}" for i, label in enumerate(sorted(df.label.unique()))}
 
 
+PANEL_COLUMNS = 4
+
+
 def _panel_axes(df: pd.DataFrame):
     """One figure with a panel per task and length; yields ``(fig, [(ax, title, rows), ...])``."""
     from matplotlib.figure import Figure
 
     panels = _panels(df)
-    fig = Figure(figsize=(5.5 * len(panels), 4.2))
-    axes = fig.subplots(1, len(panels), squeeze=False)
-    return fig, [(ax, title, sub) for ax, (title, sub) in zip(axes[0], panels)]
+    # At most PANEL_COLUMNS panels a row: a grid of 11 tasks stays readable (one row was 7000 px wide).
+    cols = min(len(panels), PANEL_COLUMNS)
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(5.5 * cols, 4.2 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    return fig, [(ax, title, sub) for ax, (title, sub) in zip(axes, panels)]
 
 
 def _finish_axes(ax, title: str, xlabel: str, ylabel: str) -> None:

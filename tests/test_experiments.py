@@ -126,6 +126,22 @@ def test_report_writes_table_and_plots(sweep, tmp_path, capsys):
     assert main(["report", str(tmp_path / "empty-does-not-exist"), "--out", str(out)]) == 2
 
 
+def test_report_panels_wrap_into_rows():
+    import pandas as pd
+
+    from experiments.report import PANEL_COLUMNS, _panel_axes
+
+    n = PANEL_COLUMNS + 2  # 11 RULER tasks made one 7000-px row before
+    df = pd.DataFrame({"task": [f"ruler/t{i}" for i in range(n)], "length": 2048, "label": "none (agnostic)"})
+    fig, panels = _panel_axes(df)
+    assert [title for _, title, _ in panels] == [f"ruler/t{i} (L=2048)" for i in range(n)]
+    width, height = fig.get_size_inches()
+    assert (width, height) == (5.5 * PANEL_COLUMNS, 4.2 * 2)
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(fig.axes) == 2 * PANEL_COLUMNS and len(visible) == n
+    assert {ax for ax, _, _ in panels} == set(visible)
+
+
 def test_pareto_front():
     from experiments.report import pareto_front
 
