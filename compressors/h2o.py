@@ -17,14 +17,16 @@ from typing import ClassVar
 import torch
 
 from kvcomp.compressor import Capabilities, CompressorError
+from kvcomp.ops import AttentionSpec, attention_probs, visible
 from kvcomp.selection import TokenSelection, TokenStore, compact, recent_mask, select_top, store_from_block
 
 _PREFILL_CHUNK = 256
 
 
 def accumulated_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, q_real: torch.Tensor,
-                          k_pos: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal attention each key receives, summed over the real queries and the query group.
+                          k_pos: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """Attention each key receives (the layer's own: causal, window, soft-cap, sinks), summed over the real
+    queries and the query group.
 
     q: [B, H_q, n, D], k: [B, H_kv, L, D], q_pos / q_real: [B, n] positions / real-token flags of the
     queries, k_pos: [B, H_kv, L] (SENTINEL = padding) -> [B, H_kv, L] float32.
@@ -39,18 +41,18 @@ def accumulated_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
     for start in range(0, n, _PREFILL_CHUNK):
         stop = min(n, start + _PREFILL_CHUNK)
         m = stop - start
-        visible = (k_pos <= q_pos[:, start:stop].max()).any(0).any(0)
-        if not bool(visible.any()):
+        reach = visible(q_pos[:, start:stop].max(), k_pos).any(0).any(0)  # slots some query of the chunk sees
+        if not bool(reach.any()):
             continue
-        lim = int(visible.nonzero().max()) + 1
+        lim = int(reach.nonzero().max()) + 1
         qc = q[:, :, start:stop].reshape(b, hkv, g * m, d)
-        logits = torch.matmul(qc, k[:, :, :lim].transpose(-1, -2)).float().view(b, hkv, g, m, lim)
-        allowed = k_pos[:, :, None, None, :lim] <= q_pos[:, None, None, start:stop, None]  # [B, H_kv, 1, m, lim]
+        allowed = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, :lim], spec.window)
         allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding queries: finite, then zero-weighted
-        probs = logits.mul_(scaling).masked_fill_(~allowed, float("-inf")).softmax(-1)
+        allowed = allowed.expand(b, hkv, g, m, lim).reshape(b, hkv, g * m, lim)
+        probs = attention_probs(qc, k[:, :, :lim], allowed, spec, spec.grouped_sinks(hkv, m, q.device))
         # Sum over the group and the real queries as one batched matmul (einsum here was ~30x slower on CPU).
         weights = q_real[:, start:stop].view(b, 1, 1, m).expand(b, hkv, g, m).reshape(b, hkv, 1, g * m)
-        total[..., :lim] += torch.matmul(weights, probs.view(b, hkv, g * m, lim)).view(b, hkv, lim)
+        total[..., :lim] += torch.matmul(weights, probs).view(b, hkv, lim)
     return total
 
 
@@ -74,7 +76,7 @@ class H2O(TokenSelection):
         store = store_from_block(k, v, ctx)
 
         def accumulate():
-            return accumulated_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions, ctx.scaling)
+            return accumulated_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions, ctx.spec)
 
         # Every prompt token gets its accumulated attention, also when nothing is evicted yet, so that
         # decode-time eviction starts from the prompt's statistics. It is the same for every budget: a sweep

@@ -247,7 +247,7 @@ class KVTC(Compressor):
         return tuple(torch.cat([p[i] for p in parts], dim=2) for i in range(3))
 
     def attend(self, layer, state: KVTCState, q, ctx):
-        acc = tc.OnlineSoftmax(q, ctx.query_positions, state.window.keys.shape[1], ctx.scaling)
+        acc = tc.OnlineSoftmax(q, ctx.query_positions, state.window.keys.shape[1], ctx.spec)
         acc.step(state.sinks.keys, state.sinks.values, state.sinks.positions)
         if int(state.coded_tokens.max()):
             codec = self.codec(layer, state.window.keys.dtype, state.window.keys.device)

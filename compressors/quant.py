@@ -242,6 +242,9 @@ class Quant(Compressor):
             ctx.scaling,
             block_tokens=_DECODE_BLOCK,
             sentinel=SENTINEL,
+            window=ctx.spec.window,
+            softcap=ctx.spec.softcap,
+            sinks=ctx.spec.sinks,
         )
 
     def nbytes(self, state: QuantState) -> dict[str, int]:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcomp.compressor import Capabilities, CompressorError
+from kvcomp.ops import attention_probs, visible
 from kvcomp.selection import TokenSelection
 
 DEFAULT_WINDOW = 16
@@ -55,17 +56,18 @@ class SnapKV(TokenSelection):
         return torch.full((batch,), min(DEFAULT_WINDOW, n))
 
     def score(self, q, k, v, ctx):
-        # q: [B, H_q, n, D]; k: [B, H_kv, n, D] -> scores [B, H_kv, n]
-        b, hq, n, d = q.shape
-        hkv = k.shape[1]
+        # q: [B, H_q, n_q, D]; k: [B, H_kv, n, D] (n < n_q after an earlier Compose stage) -> scores [B, H_kv, n]
+        b, hq, n_q, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
         g = hq // hkv
-        w = self.observation_window(n, ctx.question_length, b).to(q.device)  # [B]
+        w = self.observation_window(n_q, ctx.question_length, b).to(q.device)  # [B]
         width = int(w.max())
         q_obs = q[:, :, -width:].reshape(b, hkv, g * width, d)
-        logits = torch.matmul(q_obs, k.transpose(-1, -2)).float().view(b, hkv, g, width, n) * ctx.scaling
         q_pos = ctx.query_positions[:, -width:]
-        allowed = ctx.positions[:, :, None, None, :] <= q_pos[:, None, None, :, None]  # [B, H_kv, 1, width, n]
-        probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+        allowed = visible(q_pos[:, None, None, :, None], ctx.positions[:, :, None, None, :], ctx.spec.window)
+        allowed = allowed.expand(b, hkv, g, width, n).reshape(b, hkv, g * width, n)
+        probs = attention_probs(q_obs, k, allowed, ctx.spec, ctx.spec.grouped_sinks(hkv, width, q.device))
+        probs = probs.nan_to_num(0.0).view(b, hkv, g, width, n)
         observed = (torch.arange(width, device=q.device) >= (width - w).view(-1, 1)).float()  # [B, width]
         probs = probs * observed.view(b, 1, 1, width, 1)
         scores = probs.sum(dim=(2, 3)) / (g * w).view(b, 1, 1)

@@ -46,8 +46,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.compressor import SENTINEL, CompressorError
+from kvcomp.compressor import CompressorError
 from kvcomp.kernels import quant_ref
+from kvcomp.ops import softcap, softmax, visible
 from kvcomp.retrieval import Retrieval, RetrievalState
 
 SPECACHE_BITS = (1, 2, 4)
@@ -135,14 +136,18 @@ class SpeCache(Retrieval):
         # Fetched tokens replace their low-bit copies: mask those out (-1 units go to a spare slot).
         fetched = torch.zeros(b, h, n_low + 1, dtype=torch.bool, device=q.device)
         fetched.scatter_(2, units.masked_fill(units < 0, n_low), True)
-        logits_low = logits_low.masked_fill(fetched[:, :, None, :-1], float("-inf"))
         k_fp = torch.cat([state.sink_k, keys, state.recent_k], dim=2).to(cdt)
         v_fp = torch.cat([state.sink_v, values, state.recent_v], dim=2).to(cdt)
         pos_fp = torch.cat([self._positions(state, 0, state.n_sink, q), positions,
                             self._positions(state, state.boundary, state.length, q)], dim=2)
         logits_fp = torch.matmul(qg.to(cdt), k_fp.transpose(-1, -2))  # [B, H, G, F]
-        logits_fp = logits_fp.masked_fill((pos_fp >= SENTINEL).unsqueeze(2), float("-inf"))
-        probs = (torch.cat([logits_low, logits_fp], dim=-1) * ctx.scaling).softmax(-1)
+        logits = softcap(torch.cat([logits_low, logits_fp], dim=-1) * ctx.scaling, ctx.spec.softcap)
+        # A decode step sees every stored position: masked are the low-bit copies of fetched tokens and the empty
+        # fetch slots (SENTINEL positions, kvcomp.ops.visible).
+        hidden = torch.cat([fetched[:, :, None, :-1].expand_as(logits_low),
+                            ~visible(ctx.query_positions.view(b, 1, 1, 1), pos_fp.unsqueeze(2)).expand_as(logits_fp)],
+                           dim=-1)
+        probs = softmax(logits.masked_fill(hidden, float("-inf")), ctx.spec.grouped_sinks(h, 1, q.device))
         v_low = quant_ref.dequantize_values(s.value_codes, s.value_scale, s.value_zero, self.bits, cdt).flatten(2, 3)
         out = torch.matmul(probs[..., :n_low], v_low) + torch.matmul(probs[..., n_low:], v_fp)
         return out.reshape(b, hq, 1, d).to(q.dtype)

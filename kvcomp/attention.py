@@ -1,4 +1,4 @@
-"""The "kvcomp" attention function and mask function registered with transformers.
+"""The "kvcomp" attention function and mask function registered with transformers, and each layer's attention spec.
 
 Everything specific to the transformers attention API lives here and in ``kvcomp/cache.py``.
 
@@ -8,28 +8,149 @@ the positions and the padding of the new tokens, and either runs dense prefill a
 ``compressor.prefill``, or calls ``compressor.append`` and ``compressor.attend``. The mask function returns a
 small :class:`KVCompMask` (the 2-D padding mask plus what is needed to build transformers' own mask), because
 kept tokens are not contiguous and a right-aligned 4-D mask cannot describe them; attention masks by
-positions instead (``key_pos <= query_pos``, SENTINEL for padding).
+positions instead (:func:`kvcomp.ops.visible`, SENTINEL for padding).
+
+Model families. :func:`layer_specs` reads each layer's :class:`~kvcomp.ops.AttentionSpec` (scaling, sliding
+window, logit soft-cap, sink logits) from the model's config and attention modules, and refuses with
+:class:`UnsupportedModel`, before any compute, what kvcomp cannot reproduce exactly (encoder-decoders, layer
+types other than full and sliding attention, chunked or bidirectional attention, ALiBi, models whose
+attention does not go through transformers' attention interface). Every call then checks that what the
+model passes (``scaling``, ``sliding_window``, ``softcap``, ``s_aux``) is what the spec says, and refuses
+any other keyword that could change attention: a model kvcomp does not know fails loudly instead of
+differing silently. Forwards over caches that are not kvcomp's (a plain ``DynamicCache``, lossless
+decoding's full KV) run the attention the model used before :func:`install` (sdpa, or the model's own
+eager function where sdpa cannot do it: soft-capping, sinks).
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from kvcomp.compressor import SENTINEL
+from kvcomp.ops import AttentionSpec
 
 ATTN_NAME = "kvcomp"
-_QUERY_CHUNK = 1024  # queries per block when a mask must be materialized (bounds prefill memory)
 _active = threading.local()
+# Attention keywords that carry no attention semantics (kvcomp reads positions itself).
+_BENIGN_KWARGS = {"position_ids", "use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
+                  "cache_position", "return_dict"}
+_SPEC_KWARGS = {"scaling", "sliding_window", "softcap", "s_aux", "dropout"}
+_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# What each attention module ran before install(): "sdpa", "eager", ... (for caches kvcomp does not manage).
+_previous: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+class UnsupportedModel(ValueError):
+    """A model, or a feature of it, that kvcomp cannot run exactly; raised before any compute."""
+
+
+# -- attention specs --------------------------------------------------------------------------------------------
+def _model_type(model) -> str:
+    return getattr(model.config, "model_type", type(model).__name__)
+
+
+def attention_modules(model) -> dict[int, torch.nn.Module]:
+    """The self-attention module of each decoder layer, by ``layer_idx``."""
+    found = {}
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
+            found.setdefault(module.layer_idx, module)
+    return found
+
+
+def check_supported(model) -> None:
+    """Raise :class:`UnsupportedModel` naming the feature and the model type when kvcomp cannot run ``model``
+    exactly."""
+    config = model.config.get_text_config(decoder=True)
+    kind = _model_type(model)
+
+    def refuse(feature: str) -> None:
+        raise UnsupportedModel(
+            f"kvcomp cannot run {kind!r} models exactly: {feature}. Use the model without kvcomp, or a supported "
+            "family (see the README's support matrix)."
+        )
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        refuse("encoder-decoder attention")
+    if not getattr(model, "_supports_attention_backend", False):
+        refuse("its attention does not go through transformers' attention interface")
+    types = getattr(config, "layer_types", None) or []
+    other = sorted(set(types) - _LAYER_TYPES)
+    if other:
+        refuse(f"layer types {other} (kvcomp supports full and sliding-window attention)")
+    if getattr(config, "use_bidirectional_attention", False):
+        refuse("bidirectional attention (use_bidirectional_attention=True)")
+    if getattr(config, "attention_chunk_size", None):
+        refuse(f"chunked attention (attention_chunk_size={config.attention_chunk_size})")
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
+        refuse("ALiBi position biases")
+    n_layers = config.num_hidden_layers
+    modules = attention_modules(model)
+    if sorted(modules) != list(range(n_layers)):
+        refuse(f"kvcomp found attention modules for layers {sorted(modules)} of {n_layers}")
+
+
+def layer_specs(model) -> list[AttentionSpec]:
+    """One :class:`~kvcomp.ops.AttentionSpec` per decoder layer, read from the config and the attention modules
+    (after :func:`check_supported`)."""
+    check_supported(model)
+    config = model.config.get_text_config(decoder=True)
+    modules = attention_modules(model)
+    types = getattr(config, "layer_types", None)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    specs = []
+    for i in range(config.num_hidden_layers):
+        module = modules[i]
+        if hasattr(module, "sliding_window"):
+            window = module.sliding_window
+        elif types is not None:
+            window = config.sliding_window if types[i] == "sliding_attention" else None
+        else:
+            window = getattr(config, "sliding_window", None)
+        softcap = getattr(module, "attn_logit_softcapping", getattr(config, "attn_logit_softcapping", None))
+        sinks = getattr(module, "sinks", None)
+        specs.append(AttentionSpec(
+            scaling=float(getattr(module, "scaling", None) or head_dim**-0.5),
+            window=int(window) if window else None,
+            softcap=float(softcap) if softcap else None,
+            sinks=None if sinks is None else sinks.detach(),
+        ))
+    return specs
+
+
+def check_call(module, spec: AttentionSpec, scaling, kwargs: dict[str, Any]) -> None:
+    """Refuse a forward whose attention keywords differ from ``spec`` or carry semantics kvcomp does not know."""
+    unknown = sorted(set(kwargs) - _BENIGN_KWARGS - _SPEC_KWARGS)
+    problems = [f"attention keyword(s) {unknown} that kvcomp does not implement"] if unknown else []
+    if kwargs.get("dropout"):
+        problems.append(f"attention dropout {kwargs['dropout']} (kvcomp is for inference: call model.eval())")
+    if scaling is not None and abs(float(scaling) - spec.scaling) > 1e-12 * abs(spec.scaling):
+        problems.append(f"scaling {scaling} where the spec read {spec.scaling}")
+    window = kwargs.get("sliding_window")
+    if (int(window) if window else None) != spec.window:
+        problems.append(f"sliding_window {window} where the config gave {spec.window}")
+    softcap = kwargs.get("softcap")
+    if (float(softcap) if softcap else None) != spec.softcap:
+        problems.append(f"softcap {softcap} where the config gave {spec.softcap}")
+    sinks = kwargs.get("s_aux")
+    if (sinks is None) != (spec.sinks is None) or (sinks is not None and sinks.data_ptr() != spec.sinks.data_ptr()):
+        problems.append("attention sinks (s_aux) that are not the module's own")
+    if problems:
+        raise UnsupportedModel(
+            f"kvcomp cannot run layer {module.layer_idx} of this {type(module).__name__} exactly: "
+            + "; ".join(problems) + "."
+        )
+
+
+# -- masks ------------------------------------------------------------------------------------------------------
 @dataclass
 class KVCompMask:
     """What the "kvcomp" mask function hands to attention: the padding of the new tokens, and the arguments
@@ -44,7 +165,9 @@ class KVCompMask:
             return torch.ones(batch, self.q_length, dtype=torch.bool, device=device)
         return self.padding[:, -self.q_length :].to(device)
 
-    def standard(self) -> torch.Tensor | None:
+    def standard(self, implementation: str = "sdpa", dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        if implementation == "eager":
+            return eager_mask(**self.sdpa_args, dtype=dtype)
         return sdpa_mask(**self.sdpa_args)
 
 
@@ -60,6 +183,7 @@ def kvcomp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
     return KVCompMask(padding=padding, q_length=q_length, sdpa_args=args)
 
 
+# -- the attention function ---------------------------------------------------------------------------------------
 def set_active(layer) -> None:
     _active.layer = layer
 
@@ -72,58 +196,27 @@ def take_active(layer_idx: int):
     return layer
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                    scaling: float, need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of ``q`` over kept K/V, masked by positions.
-
-    q: [B, H_q, n, D]; k, v: [B, H_kv, L, D]; q_pos: [B, n]; k_pos: [B, H_kv, L] (SENTINEL = empty slot).
-    Query heads are grouped per KV head (GQA) instead of repeating K/V.
-    Returns out [B, H_q, n, D] and, if asked, weights [B, H_kv, G, n, L] (float32 probabilities).
-    """
-    b, hq, n, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qg = q.reshape(b, hkv, g * n, d)
-    # Decode (n == 1) and unpadded causal prefill need no materialized mask. One reduction and one sync decide
-    # the decode case: SENTINEL slots make max(k_pos) too large.
-    if not need_weights and n == 1 and length and int(k_pos.max()) <= int(q_pos.min()):
-        out = F.scaled_dot_product_attention(qg, k, v, scale=scaling)
-        return out.reshape(b, hq, n, d), None
-    k_pos = k_pos.to(q_pos.dtype)
-    if not need_weights and n == length and n > 1 and not bool((k_pos >= SENTINEL).any()):
-        if bool((k_pos == q_pos.view(b, 1, n)).all()):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=g > 1)
-            return out, None
-    outs, weights = [], []
-    for start in range(0, n, _QUERY_CHUNK):
-        stop = min(n, start + _QUERY_CHUNK)
-        m = stop - start
-        qc = q[:, :, start:stop].reshape(b, hkv, g * m, d)
-        mask = k_pos[:, :, None, None, :] <= q_pos[:, None, None, start:stop, None]  # [B, H_kv, 1, m, L]
-        # A query that sees no key (a padding query before any real token) attends to nothing harmful:
-        # let it see every slot rather than produce NaN; its output is never used.
-        mask = mask | ~mask.any(-1, keepdim=True)
-        mask = mask.expand(b, hkv, g, m, length).reshape(b, hkv, g * m, length)
-        if need_weights:
-            logits = torch.matmul(qc, k.transpose(-1, -2)).float() * scaling
-            probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)
-            outs.append(torch.matmul(probs.to(v.dtype), v))
-            weights.append(probs.view(b, hkv, g, m, length))
-        else:
-            outs.append(F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scaling))
-    out = torch.cat([o.view(b, hkv, g, -1, d) for o in outs], dim=3).reshape(b, hq, n, d)
-    return out, (torch.cat(weights, dim=3) if need_weights else None)
+def _standard_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """What the model ran before :func:`install`, for caches kvcomp does not manage."""
+    implementation = _previous.get(module, "sdpa")
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        implementation = "eager"  # sdpa can do neither; transformers itself falls back to eager for these models
+    if implementation == "eager":
+        mask = attention_mask.standard("eager", query.dtype) if isinstance(attention_mask, KVCompMask) else attention_mask
+        eager = importlib.import_module(type(module).__module__).eager_attention_forward
+        return eager(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+    mask = attention_mask.standard() if isinstance(attention_mask, KVCompMask) else attention_mask
+    return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def kvcomp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Registered as "kvcomp": returns ``(out [B, n, H_q, D], None)``."""
     layer = take_active(module.layer_idx)
     if layer is None:
-        # Not a kvcomp-managed cache (plain forward, DynamicCache, ...): behave exactly like sdpa.
-        mask = attention_mask.standard() if isinstance(attention_mask, KVCompMask) else attention_mask
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+        # Not a kvcomp-managed cache (plain forward, DynamicCache, ...): behave exactly like the model did.
+        return _standard_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                   **kwargs)
+    check_call(module, layer.spec, scaling, dict(kwargs, dropout=dropout))
     b, _, n, _ = query.shape
     valid = (
         attention_mask.new_token_valid(b, query.device)
@@ -134,7 +227,7 @@ def kvcomp_attention(module, query, key, value, attention_mask, scaling=None, dr
     if position_ids is None:
         position_ids = torch.arange(n, device=query.device).view(1, n) + layer.next_position.view(-1, 1)
     position_ids = position_ids.expand(b, n).long()
-    out = layer.forward(query, position_ids, valid, scaling)
+    out = layer.forward(query, position_ids, valid)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -144,9 +237,13 @@ def register() -> None:
 
 
 def install(model) -> None:
-    """Route the model's attention through kvcomp (it behaves like sdpa unless a CompressedCache is in use)."""
+    """Route the model's attention through kvcomp (it behaves like before unless a CompressedCache is in use)."""
     register()
-    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+    check_supported(model)
+    current = getattr(model.config, "_attn_implementation", None)
+    if current != ATTN_NAME:
+        for module in attention_modules(model).values():
+            _previous[module] = current or "sdpa"
         model.set_attn_implementation(ATTN_NAME)
 
 

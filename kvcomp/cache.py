@@ -4,6 +4,13 @@ A layer has two lengths, as ``DynamicSlidingWindowLayer`` does: ``get_seq_length
 (logical; what ``generate`` uses for positions and input slicing) and the physical length counts slots
 stored. Padding tokens of a left-padded batch are never stored: their positions are SENTINEL when they reach
 a compressor, and the selection drops them.
+
+Each layer attends as the model says (its :class:`~kvcomp.ops.AttentionSpec`, from
+:func:`kvcomp.attention.layer_specs`). A sliding-window layer holds at most its window: compressors that
+compress such layers (``sliding_layers = "compress"``, token selection) keep only tokens a later query can
+see; for the others the layer is a :class:`~kvcomp.selection.WindowStore`, exactly what transformers' own
+sliding layer holds. ``memory_factor`` is relative to what transformers' own cache holds for the model
+(:meth:`CompressedCache.full_bytes`), so bounded sliding layers do not inflate it.
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvcomp.attention import dense_attention, install, set_active
+from kvcomp.attention import install, layer_specs, set_active
 from kvcomp.compressor import SENTINEL, Compressor, LayerContext
+from kvcomp.ops import AttentionSpec, dense_attention
+from kvcomp.selection import WindowStore
 
 
 @dataclass
@@ -35,9 +44,14 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, compressor: Compressor, layer_idx: int, owner: CompressedCache):
+    def __init__(self, compressor: Compressor, layer_idx: int, owner: CompressedCache, spec: AttentionSpec):
         super().__init__()
+        self.spec = spec
+        self.is_sliding = spec.window is not None
+        # What this layer's state is built by: the compressor, or the exact window of a sliding layer.
         self.compressor = compressor
+        if self.is_sliding and compressor.sliding_layers != "compress":
+            self.compressor = WindowStore()
         self.layer_idx = layer_idx
         self.owner = owner
         self.state = None
@@ -127,48 +141,66 @@ class CompressedLayer(CacheLayerMixin):
         self.seen_total, self.seen, self.next_position = snapshot.seen_total, snapshot.seen, snapshot.next_position
 
     # -- kvcomp's side ---------------------------------------------------------------------------------
-    def forward(self, query: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor, scaling: float):
+    def forward(self, query: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor):
         """Attention for the parked K/V. query: [B, H_q, n, D]; position_ids, valid: [B, n]."""
         k, v = self.pending
         self.pending = None
         m = self.split
         if m is None:
-            return self._attend(query, k, v, position_ids, valid, scaling)
+            return self._attend(query, k, v, position_ids, valid)
         # Verified prefix first, then the snapshot lossless decoding rolls back to, then the drafted tokens.
         n = k.shape[-2]
         outs = []
         if m:
-            outs.append(self._attend(query[:, :, :m], k[:, :, :m], v[:, :, :m], position_ids[:, :m], valid[:, :m],
-                                     scaling))
+            outs.append(self._attend(query[:, :, :m], k[:, :, :m], v[:, :, :m], position_ids[:, :m], valid[:, :m]))
         snapshot = self.checkpoint()
         snapshot.seen_total -= n - m  # update() counted the whole forward already
         self.owner.snapshots[self.layer_idx] = snapshot
         if m < n:
-            outs.append(self._attend(query[:, :, m:], k[:, :, m:], v[:, :, m:], position_ids[:, m:], valid[:, m:],
-                                     scaling))
+            outs.append(self._attend(query[:, :, m:], k[:, :, m:], v[:, :, m:], position_ids[:, m:], valid[:, m:]))
         return torch.cat(outs, dim=2)
 
-    def _attend(self, query, k, v, position_ids, valid, scaling):
+    def context(self, query: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
+                ) -> LayerContext:
+        """Count the block's tokens and describe them to the compressor."""
         b, hkv, n, _ = k.shape
         self.seen = self.seen + valid.sum(1)
         positions = torch.where(valid, position_ids, SENTINEL)
         self.next_position = torch.maximum(self.next_position, (positions.masked_fill(~valid, -1).amax(1) + 1))
-        ctx = LayerContext(
+        return LayerContext(
             layer=self.layer_idx,
             positions=positions.view(b, 1, n).expand(b, hkv, n),
             query_positions=position_ids,
             query_valid=valid,
             seen=self.seen,
-            scaling=scaling,
+            spec=self.spec,
             n_groups=query.shape[1] // hkv,
             question_length=self.owner.question_length,
+            next_position=self.next_position,
         )
+
+    def build(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> None:
+        """The state from a prefilled block (its attention ran on the full K/V)."""
+        self.state = self.compressor.prefill(self.layer_idx, q, k, v, ctx)
+
+    def _attend(self, query, k, v, position_ids, valid):
+        ctx = self.context(query, k, position_ids, valid)
         if self.state is None:
-            out, _ = dense_attention(query, k, v, position_ids, ctx.positions, scaling)
-            self.state = self.compressor.prefill(self.layer_idx, query, k, v, ctx)
+            out, _ = dense_attention(query, k, v, position_ids, ctx.positions, self.spec)
+            self.build(query, k, v, ctx)
             return out
         self.state = self.compressor.append(self.layer_idx, self.state, k, v, ctx)
-        return self.compressor.attend(self.layer_idx, self.state, query, ctx)
+        out = self.compressor.attend(self.layer_idx, self.state, query, ctx)
+        self.state = self.compressor.after_attend(self.layer_idx, self.state, ctx)
+        return out
+
+    def full_bytes(self) -> int:
+        """Bytes transformers' own cache holds for this layer's real tokens (a sliding layer: the last
+        ``window - 1`` of each row), in the layer's dtype."""
+        if self.state is None:
+            return 0
+        held = self.seen if self.spec.window is None else self.seen.clamp(max=self.spec.window - 1)
+        return int(held.sum()) * self.owner.num_kv_heads * self.owner.head_dim * 2 * self.dtype.itemsize
 
 
 class CompressedCache(Cache):
@@ -188,7 +220,8 @@ class CompressedCache(Cache):
         self.question_length = question_length
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        layers = [CompressedLayer(compressor, i, self) for i in range(config.num_hidden_layers)]
+        self.specs = layer_specs(model)
+        layers = [CompressedLayer(compressor, i, self, spec) for i, spec in enumerate(self.specs)]
         super().__init__(layers=layers)
         # Lossless decoding (kvcomp.lossless): `tee(layer, k, v)` receives every K/V block the model computes;
         # `staged` holds verified K/V (per layer, [B, H_kv, m, D]) for the first m tokens of the next forward.
@@ -229,12 +262,9 @@ class CompressedCache(Cache):
         return total
 
     def full_bytes(self) -> int:
-        """Bytes an uncompressed cache (DynamicCache, same dtype) would hold for the real tokens seen."""
-        total = 0
-        for layer in self.layers:
-            if layer.state is not None:
-                total += int(layer.seen.sum()) * self.num_kv_heads * self.head_dim * 2 * layer.dtype.itemsize
-        return total
+        """Bytes transformers' own cache (``DynamicCache(config=model.config)``, same dtype) would hold for the
+        real tokens seen: every token on full-attention layers, the last ``window - 1`` on sliding ones."""
+        return sum(layer.full_bytes() for layer in self.layers)
 
     def memory_factor(self) -> float:
         resident = self.resident_bytes()["device"]

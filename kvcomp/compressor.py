@@ -9,12 +9,20 @@ holding that layer's KV in whatever form it stores it; the framework (``kvcomp.c
 ``append(layer, state, k, v, ctx)``            every later forward (decode step, question block): add tokens
 ``attend(layer, state, q, ctx)``               inside attention: output over what the state keeps
 ``observe(layer, state, weights, ctx)``        attention statistics, when ``needs_attention_weights``
+``after_attend(layer, state, ctx)``            after each forward's attention: evict what it has decided
 ``checkpoint(state)`` / ``rollback(state, s)``  snapshot a state / restore it (undo what was appended since)
 ``nbytes(state)``                              resident bytes per tier
 =============================================  ===============================================================
 
 Shapes: ``q`` is ``[B, H_q, n, D]``; ``k``/``v`` are ``[B, H_kv, n, D]`` (one entry per KV head, never per
 query head); positions are ``[B, H_kv, n]`` original token positions, ``SENTINEL`` marking padding.
+
+Attention is the layer's (``ctx.spec``, :class:`kvcomp.ops.AttentionSpec`: scaling, sliding window, logit
+soft-cap, sinks); whatever a method computes from queries and keys goes through :mod:`kvcomp.ops`.
+Sliding-window layers (``ctx.spec.window``): a compressor whose ``sliding_layers`` is ``"window"`` (the
+default) never sees them: the framework stores their window exactly, as transformers does (its last
+``window - 1`` tokens). One whose ``sliding_layers`` is ``"compress"`` (token selection) gets them too and must
+keep no token that no later query can see (``kvcomp.ops.horizon``).
 
 Rollback (lossless decoding drafts tokens, then undoes them): ``checkpoint(state)`` returns a snapshot and
 ``rollback(state, snapshot)`` returns the state as it was then, however many tokens were appended, evicted
@@ -34,9 +42,9 @@ from typing import Any, ClassVar
 
 import torch
 
-# Position of an empty slot (padding, or a slot a shorter row does not use). Larger than any real position,
-# so the causal test ``key_pos <= query_pos`` masks it out without a separate validity tensor.
-SENTINEL = 2**30
+from kvcomp.ops import SENTINEL, AttentionSpec, dense_attention
+
+__all__ = ["SENTINEL", "Capabilities", "Compose", "Compressor", "CompressorError", "LayerContext", "SharedWork"]
 
 
 class CompressorError(ValueError):
@@ -90,7 +98,9 @@ class LayerContext:
     query_positions: ``[B, n_q]`` positions of the queries of this forward.
     query_valid: ``[B, n_q]`` bool, which queries are real tokens (not padding).
     seen: ``[B]`` real (non-padding) tokens seen so far in each row, including this block.
+    spec: how the layer attends (scaling, sliding window, soft-cap, sinks).
     question_length: ``[B]`` tokens at the end of each prompt that hold the question, when the caller knows it.
+    next_position: ``[B]`` position of each row's next token after this block (None: derived from the queries).
     """
 
     layer: int
@@ -98,16 +108,27 @@ class LayerContext:
     query_positions: torch.Tensor
     query_valid: torch.Tensor
     seen: torch.Tensor
-    scaling: float
+    spec: AttentionSpec
     n_groups: int
     question_length: torch.Tensor | None = None
     # Set by kvcomp.shared_prefill when several compressors build from the same prefill; None otherwise.
     shared: SharedWork | None = None
+    next_position: torch.Tensor | None = None
+
+    @property
+    def scaling(self) -> float:
+        return self.spec.scaling
 
     @property
     def valid(self) -> torch.Tensor:
         """``[B, H_kv, n]`` bool: which of the tokens passed in are real."""
         return self.positions < SENTINEL
+
+    def next_positions(self) -> torch.Tensor:
+        """``[B]`` position of each row's next token."""
+        if self.next_position is not None:
+            return self.next_position
+        return self.query_positions.masked_fill(~self.query_valid, -1).amax(1) + 1
 
 
 @dataclass
@@ -117,6 +138,9 @@ class Compressor:
     capabilities: ClassVar[Capabilities] = Capabilities()
     # Registry name; set by kvcomp.registry.register or the entry point name.
     name: ClassVar[str] = ""
+    # "window": the framework stores sliding-window layers exactly and this compressor sees full-attention layers
+    # only; "compress": it gets sliding-window layers too (see the module docstring).
+    sliding_layers: ClassVar[str] = "window"
 
     def __post_init__(self) -> None:
         pass
@@ -138,17 +162,20 @@ class Compressor:
 
     def attend(self, layer: int, state: Any, q: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """Attention output ``[B, H_q, n_q, D]`` of ``q`` over the state. Default: dense over the materialized KV."""
-        from kvcomp.attention import dense_attention
-
         keys, values, positions = self.materialize(state)
         need = self.capabilities.needs_attention_weights
-        out, weights = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.scaling, need)
+        out, weights = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.spec, need)
         if need:
             self.observe(layer, state, weights, ctx)
         return out
 
     def observe(self, layer: int, state: Any, weights: torch.Tensor, ctx: LayerContext) -> None:
         """``weights``: ``[B, H_kv, G, n_q, L]`` attention probabilities over the materialized slots."""
+
+    def after_attend(self, layer: int, state: Any, ctx: LayerContext) -> Any:
+        """The state once this forward's attention (``attend``, ``observe``) is done: what a method decides
+        from the step's own attention happens here. Default: unchanged."""
+        return state
 
     def checkpoint(self, state: Any) -> Any:
         """A snapshot from which :meth:`rollback` restores ``state`` as it is now. Default: a deep copy."""
@@ -241,6 +268,10 @@ class Compose(Compressor):
             supports_batch=all(c.supports_batch for c in caps),
         )
 
+    @property
+    def sliding_layers(self) -> str:  # type: ignore[override]
+        return "compress" if all(s.sliding_layers == "compress" for s in self.stages) else "window"
+
     def check(self, batch_size: int) -> None:
         for stage in self.stages:
             stage.check(batch_size)
@@ -276,6 +307,9 @@ class Compose(Compressor):
 
     def observe(self, layer, state, weights, ctx):
         return self._last().observe(layer, state, weights, ctx)
+
+    def after_attend(self, layer, state, ctx):
+        return self._last().after_attend(layer, state, ctx)
 
     def checkpoint(self, state):
         return self._last().checkpoint(state)

@@ -140,7 +140,7 @@ def generate_ids(model, parts: list[PromptParts], compressor: Compressor | None,
     if sampling is not None:
         raise ValueError("Sampling is only implemented with lossless=True (speculative sampling).")
     if compressor is None:
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)  # transformers' own cache: sliding layers hold their window
     else:
         cache = CompressedCache(model, compressor, question_length=question_length)
 

@@ -47,8 +47,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvcomp.attention import dense_attention
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext
+from kvcomp.ops import dense_attention
 from kvcomp.tiers import TIER_KINDS, FetchRequest, Prefetcher, Tier, make_tier
 
 CORRECTIONS = ("cosine", "missed")
@@ -167,7 +167,7 @@ class Retrieval(Compressor):
         values = torch.cat([state.sink_v, values, state.recent_v], dim=2)
         positions = torch.cat([self._positions(state, 0, state.n_sink, q), positions,
                                self._positions(state, state.boundary, state.length, q)], dim=2)
-        out, _ = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.scaling)
+        out, _ = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.spec)
         return out
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -380,7 +380,7 @@ class Retrieval(Compressor):
         keys, values = state.tier.read(state.layer)
         state.stats.block_bytes += _buffer_bytes(keys, values)
         positions = self._positions(state, 0, state.length, q)
-        out, _ = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.scaling)
+        out, _ = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.spec)
         self._advance(state)
         if self.speculative:
             self._prefetch_next(state, q, ctx.scaling)

@@ -4,6 +4,13 @@ A method overrides :meth:`TokenSelection.score` (prefill) and, if it evicts whil
 :meth:`TokenSelection.decode_score`; this base class owns budgets, per-KV-head top-k, the gather into
 smaller tensors, and appends. Evicted tokens are gone: the store holds ``[B, H_kv, L, D]`` tensors with
 ``L`` the largest kept count of the batch, not a mask over the full cache.
+
+Sliding-window layers: token selection compresses them too (``sliding_layers = "compress"``), within what the
+layer can still use: tokens no later query can see (older than :func:`kvcomp.ops.horizon`) are dropped at
+prefill and after every forward, the budget is taken of what transformers' own sliding layer would hold
+(``min(seen, window - 1)``), and scores see the window (through :mod:`kvcomp.ops`). :class:`WindowStore`, the
+selection that keeps every such token, is what the framework stores for the sliding layers of compressors
+that do not compress them.
 """
 
 from __future__ import annotations
@@ -11,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from kvcomp.compressor import SENTINEL, Compressor, CompressorError, LayerContext, _check_ratio
+from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext, _check_ratio
+from kvcomp.ops import horizon
 
 
 @dataclass
@@ -82,7 +91,27 @@ def select_top(store: TokenStore, scores: torch.Tensor, budget: torch.Tensor) ->
 
 
 def store_from_block(k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> TokenStore:
-    return TokenStore(k, v, ctx.positions.to(torch.int32))
+    """The block as a store; on a sliding-window layer, tokens no later query sees are marked empty."""
+    positions = ctx.positions.to(torch.int32)
+    oldest = horizon(ctx.next_positions(), ctx.spec.window)
+    if oldest is not None:
+        positions = positions.masked_fill(positions < oldest.view(-1, 1, 1), SENTINEL)
+    return TokenStore(k, v, positions)
+
+
+def forget_before(store: TokenStore, oldest: torch.Tensor) -> TokenStore:
+    """Drop each row's tokens older than ``oldest[b]`` (``[B]``). The store's real slots are in position order
+    (as every store here keeps them), so the dropped ones are a prefix of each row and KV head."""
+    count = (store.positions < oldest.view(-1, 1, 1).to(store.positions.dtype)).sum(-1)  # [B, H_kv]
+    low, high = (int(c) for c in count.aminmax())
+    if high == 0:
+        return store
+    if low == high:
+        return TokenStore(store.keys[:, :, high:], store.values[:, :, high:], store.positions[:, :, high:],
+                          None if store.scores is None else store.scores[:, :, high:])
+    length = store.positions.shape[-1]
+    index = torch.arange(length - low, device=count.device).view(1, 1, -1) + count.unsqueeze(-1)
+    return store.gather(index.clamp(max=length - 1), index < length)
 
 
 def compact(store: TokenStore) -> TokenStore:
@@ -107,6 +136,8 @@ class TokenSelection(Compressor):
     compression_ratio: float = 0.0
     budget: int | None = None
 
+    sliding_layers: ClassVar[str] = "compress"
+
     def __post_init__(self) -> None:
         _check_ratio(self.compression_ratio)
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
@@ -130,6 +161,12 @@ class TokenSelection(Compressor):
         """``[B, H_kv, L]`` importance of each stored token while decoding (``decode_time`` methods)."""
         raise NotImplementedError
 
+    def held_tokens(self, ctx: LayerContext) -> torch.Tensor:
+        """``[B]`` tokens an uncompressed cache holds for this layer: all seen, or a sliding layer's last
+        ``window - 1``. Budgets are fractions of this."""
+        window = ctx.spec.window
+        return ctx.seen if window is None else ctx.seen.clamp(max=window - 1)
+
     # -- hooks ---------------------------------------------------------------------------------------------
     def prefill(self, layer, q, k, v, ctx):
         store = store_from_block(k, v, ctx)
@@ -140,13 +177,17 @@ class TokenSelection(Compressor):
         return select_top(store, self.score(q, k, v, ctx), budget)
 
     def append(self, layer, state, k, v, ctx):
-        store = compact(state.cat(store_from_block(k, v, ctx)))
+        store = compact(state.cat(TokenStore(k, v, ctx.positions.to(torch.int32))))
         if not self.capabilities.decode_time:
             return store
-        budget = self.kept_tokens(ctx.seen)
+        budget = self.kept_tokens(self.held_tokens(ctx))
         if bool((store.valid.sum(-1) <= budget.view(-1, 1)).all()):
             return store
         return select_top(store, self.decode_score(store, ctx), budget)
+
+    def after_attend(self, layer, state, ctx):
+        oldest = horizon(ctx.next_positions(), ctx.spec.window)
+        return state if oldest is None else forget_before(state, oldest)
 
     def checkpoint(self, state: TokenStore) -> TokenStore:
         # append() builds new tensors (cat, gather) and never writes into the store it is given, so sharing
@@ -161,6 +202,20 @@ class TokenSelection(Compressor):
 
     def stored_tokens(self, state: TokenStore) -> torch.Tensor:
         return state.valid.sum(-1)
+
+
+@dataclass
+class WindowStore(TokenSelection):
+    """Every token a later query can still see, exactly: on a sliding-window layer its last ``window - 1``
+    tokens at rest (what transformers' ``DynamicSlidingWindowLayer`` holds), on a full layer everything. The
+    framework stores sliding layers with it for compressors that do not compress them."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(lossy=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.compression_ratio or self.budget is not None:
+            raise CompressorError("WindowStore keeps every visible token: it takes no compression_ratio or budget.")
 
 
 def recent_mask(positions: torch.Tensor, seen: torch.Tensor, window: torch.Tensor | int) -> torch.Tensor:

@@ -38,6 +38,7 @@ class _Recorder(Compressor):
     """Keeps what each layer's prefill hook receives; its state is the full K/V (nothing is compressed)."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(lossy=False)
+    sliding_layers: ClassVar[str] = "compress"  # records every layer, sliding ones included
 
     def __post_init__(self) -> None:
         self.records: dict[int, tuple] = {}
@@ -97,7 +98,7 @@ def prefill(model, parts: list[PromptParts], query_aware: bool = False, pad_id: 
 
 def _build_cache(model, pre: Prefilled, compressor: Compressor | None):
     if compressor is None:
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)
         for layer, (_, k, v, _) in sorted(pre.recorder.records.items()):
             cache.update(k, v, layer)
         return cache
@@ -110,7 +111,7 @@ def _build_cache(model, pre: Prefilled, compressor: Compressor | None):
         layer.seen_total = source.seen_total
         layer.seen = source.seen.clone()
         layer.next_position = source.next_position.clone()
-        layer.state = compressor.prefill(layer.layer_idx, q, k, v, ctx)
+        layer.build(q, k, v, ctx)
     return cache
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import zstandard
 
-from kvcomp.compressor import SENTINEL
+from kvcomp.ops import SENTINEL, AttentionSpec, softcap, visible
 
 BITS = (0, 2, 4, 8)
 # Steps per stored width: the width's calibrated step times sqrt(2)**j, j < STEP_MULTIPLES[width]. The coarsest
@@ -286,20 +286,24 @@ def decode_blocks(blocks: list[list[list[bytes]]], segments: list[list[tuple[int
 # -- attention -----------------------------------------------------------------------------------------------
 class OnlineSoftmax:
     """Attention of ``q`` ``[B, H_q, n, D]`` (positions ``q_pos`` ``[B, n]``) accumulated over blocks of K/V
-    (``[B, H_kv, L, D]``, positions ``[B, H_kv, L]``; a key is visible when ``key_pos <= query_pos``), as
-    flash attention does: only one block's logits exist at a time. A query that sees no key at all (a padding
-    query) returns zeros."""
+    (``[B, H_kv, L, D]``, positions ``[B, H_kv, L]``), as flash attention does: only one block's logits exist
+    at a time. Visibility, soft-capping and sinks are the layer's (``spec``, through :mod:`kvcomp.ops`). A
+    query that sees no key at all (a padding query) returns zeros."""
 
-    def __init__(self, q: torch.Tensor, q_pos: torch.Tensor, n_kv_heads: int, scaling: float):
+    def __init__(self, q: torch.Tensor, q_pos: torch.Tensor, n_kv_heads: int, spec: AttentionSpec):
         b, hq, n, d = q.shape
         self.shape, self.h, self.g = (b, hq, n, d), n_kv_heads, hq // n_kv_heads
         self.cdt = torch.promote_types(q.dtype, torch.float32)
         self.dtype = q.dtype
         self.q = q.reshape(b, n_kv_heads, self.g * n, d).to(self.cdt)
         self.q_pos = q_pos.long()
-        self.scaling = scaling
+        self.spec = spec
         self.m = torch.full((b, n_kv_heads, self.g * n, 1), float("-inf"), dtype=self.cdt, device=q.device)
         self.denom = torch.zeros_like(self.m)
+        sinks = spec.grouped_sinks(n_kv_heads, n, q.device)
+        if sinks is not None:  # a sink is one more logit with a zero value: it starts the running softmax
+            self.m = sinks.to(self.cdt).expand_as(self.m).clone()
+            self.denom = torch.ones_like(self.m)
         self.acc = torch.zeros(b, n_kv_heads, self.g * n, d, dtype=self.cdt, device=q.device)
 
     def step(self, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
@@ -312,8 +316,8 @@ class OnlineSoftmax:
         length = k.shape[2]
         if length == 0:
             return
-        logits = torch.matmul(self.q, k.to(self.cdt).transpose(-1, -2)) * self.scaling
-        allowed = k_pos.long()[:, :, None, None, :] <= self.q_pos[:, None, None, :, None]
+        logits = softcap(torch.matmul(self.q, k.to(self.cdt).transpose(-1, -2)) * self.spec.scaling, self.spec.softcap)
+        allowed = visible(self.q_pos[:, None, None, :, None], k_pos.long()[:, :, None, None, :], self.spec.window)
         allowed = allowed.expand(b, self.h, self.g, n, length).reshape(b, self.h, self.g * n, length)
         logits = logits.masked_fill(~allowed, float("-inf"))
         m_new = torch.maximum(self.m, logits.amax(-1, keepdim=True))

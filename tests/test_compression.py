@@ -162,7 +162,7 @@ def test_h2o_keeps_heavy_hitters(tiny):
     def spy(self, layer, q, k, v, ctx):
         if layer == 0:
             captured["scores"] = accumulated_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions,
-                                                       ctx.scaling)
+                                                       ctx.spec)
         return original(self, layer, q, k, v, ctx)
 
     H2O.prefill = spy

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvcomp import kernels
-from kvcomp.attention import dense_attention
 from kvcomp.compressor import SENTINEL
 from kvcomp.kernels import cpu_native, quant_cpu, quant_ref, retrieval_ref, sparse_ref
+from kvcomp.ops import AttentionSpec, dense_attention
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -177,7 +177,7 @@ def test_sparse_reference_over_every_token_is_dense_attention():
     everything = torch.arange(20, device=DEVICE).view(1, 1, 20).expand(2, 2, 20)
     out = sparse_ref.sparse_attention(q, keys, values, everything, scaling)
     positions = torch.arange(20, device=DEVICE).view(1, 1, 20).expand(2, 2, 20)
-    expected, _ = dense_attention(q, keys, values, torch.full((2, 1), 20, device=DEVICE), positions, scaling)
+    expected, _ = dense_attention(q, keys, values, torch.full((2, 1), 20, device=DEVICE), positions, AttentionSpec(scaling))
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
     pages = torch.arange(5, device=DEVICE).view(1, 1, 5).expand(2, 2, 5)  # 5 pages of 4 = the same tokens
     torch.testing.assert_close(sparse_ref.sparse_attention(q, keys, values, pages, scaling, 4), out)

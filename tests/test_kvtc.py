@@ -15,10 +15,10 @@ from compressors.snapkv import SnapKV
 from kvcomp import Compose, CompressedCache, CompressorError, generate
 from kvcomp import kvtc_calibration as calibration
 from kvcomp import transform_coding as tc
-from kvcomp.attention import dense_attention
 from kvcomp.compressor import SENTINEL
 from kvcomp.metrics import fidelity
 from kvcomp.models import tiny_config
+from kvcomp.ops import AttentionSpec, dense_attention
 from tests.helpers import CONTEXTS, QUESTIONS
 from tests.test_compression import decode_steps, prefill
 
@@ -141,7 +141,7 @@ def _ctx(positions, query_positions=None):
     b, _, n = positions.shape
     query_positions = positions[:, 0] if query_positions is None else query_positions
     return LayerContext(layer=0, positions=positions, query_positions=query_positions, seen=torch.full((b,), n),
-                        query_valid=torch.ones(b, n, dtype=torch.bool), scaling=0.25, n_groups=2)
+                        query_valid=torch.ones(b, n, dtype=torch.bool), spec=AttentionSpec(0.25), n_groups=2)
 
 
 @pytest.mark.parametrize("kwargs,match", [({"compression_factor": 0.5}, "compression_factor"),
@@ -279,7 +279,7 @@ def test_blockwise_attend_equals_dense_attention_on_materialized_cache(tiny, art
         q_pos = torch.tensor([[60, 190, 205]])
         out = compressor.attend(0, state, q, _ctx(torch.zeros(1, 2, 3, dtype=torch.long), q_pos))
         keys, values, positions = compressor.materialize(state)
-        expected, _ = dense_attention(q, keys, values, q_pos, positions, 0.25)
+        expected, _ = dense_attention(q, keys, values, q_pos, positions, AttentionSpec(0.25))
         torch.testing.assert_close(out, expected, rtol=0, atol=5e-5)  # float32 sums in another order
 
 

@@ -8,12 +8,12 @@ from compressors import quant as quant_module
 from compressors.quant import Quant
 from compressors.snapkv import SnapKV
 from kvcomp import Compose, CompressedCache, CompressorError, LayerContext, generate
-from kvcomp.attention import dense_attention
 from kvcomp.compressor import SENTINEL
 from kvcomp.generation import _left_pad, _positions, split_prompt
 from kvcomp.kernels import quant_cpu, quant_ref
 from kvcomp.metrics import fidelity
 from kvcomp.models import tiny_config
+from kvcomp.ops import AttentionSpec, dense_attention
 from tests.helpers import CONTEXTS, QUESTIONS
 from tests.test_compression import decode_steps, prefill
 
@@ -172,7 +172,7 @@ def ctx_for(q_pos, hkv, g, scaling=0.25):
         query_positions=q_pos,
         query_valid=torch.ones(b, n, dtype=torch.bool),
         seen=q_pos.amax(1) + 1,
-        scaling=scaling,
+        spec=AttentionSpec(scaling),
         n_groups=g,
     )
 
@@ -196,7 +196,7 @@ def test_blockwise_attend_equals_dense_attention_on_materialized_cache(tiny, bit
     q_pos = torch.stack([lengths - 5, lengths - 1, lengths + 2], dim=1)  # causal inside the stored tokens too
     out = compressor.attend(0, state, q, ctx_for(q_pos, 2, 2))
     keys, values, positions = compressor.materialize(state)
-    expected, _ = dense_attention(q, keys, values, q_pos, positions, 0.25)
+    expected, _ = dense_attention(q, keys, values, q_pos, positions, AttentionSpec(0.25))
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
     real = positions[positions < SENTINEL]
     assert sorted(real.tolist()) == sorted(p for n in lengths.tolist() for p in list(range(n)) * 2)

@@ -10,6 +10,7 @@ from compressors.freekv import FreeKV
 from compressors.specache import SpeCache
 from kvcomp import CompressedCache, CompressorError, generate
 from kvcomp.compressor import LayerContext
+from kvcomp.ops import AttentionSpec
 from kvcomp.retrieval import retrieval_stats
 from kvcomp.tiers import shared_worker
 from tests.helpers import CONTEXTS, QUESTIONS
@@ -80,14 +81,14 @@ def layer_inputs(n=200, d=16, h=2, g=2, seed=0):
     v = torch.randn(1, h, n, d, generator=gen)
     pos = torch.arange(n).view(1, 1, n).expand(1, h, n)
     ctx = LayerContext(0, pos, torch.arange(n).view(1, n), torch.ones(1, n, dtype=torch.bool), torch.tensor([n]),
-                       d**-0.5, g)
+                       AttentionSpec(d**-0.5), g)
     return q, k, v, ctx
 
 
 def decode_ctx(n, h=2, d=16, g=2):
     pos = torch.full((1, h, 1), n)
     return LayerContext(0, pos, torch.tensor([[n]]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([n + 1]),
-                        d**-0.5, g)
+                        AttentionSpec(d**-0.5), g)
 
 
 def test_freekv_selection_is_the_true_top_k():
@@ -282,8 +283,8 @@ def test_long_decode_moves_chunks_into_the_summary(tiny, make):
 
 
 def test_specache_attends_fetched_tokens_in_place_of_their_low_bit_copies():
-    from kvcomp.attention import dense_attention
     from kvcomp.kernels import quant_ref
+    from kvcomp.ops import dense_attention
 
     q, k, v, ctx = layer_inputs()
     c = SpeCache(bits=2, group_size=8, top_k=9, n_sink=4, window=8, tier="ram", speculative=False)
@@ -300,7 +301,7 @@ def test_specache_attends_fetched_tokens_in_place_of_their_low_bit_copies():
     v_low.scatter_(2, idx, v[:, :, mid].gather(2, idx))
     keys = torch.cat([k[:, :, :4], k_low, k[:, :, state.boundary:]], dim=2)
     values = torch.cat([v[:, :, :4], v_low, v[:, :, state.boundary:]], dim=2)
-    expected, _ = dense_attention(query, keys, values, torch.tensor([[199]]), ctx.positions, 16**-0.5)
+    expected, _ = dense_attention(query, keys, values, torch.tensor([[199]]), ctx.positions, AttentionSpec(16**-0.5))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -63,8 +63,14 @@ static inline void scale(float* restrict o, float a, const float* restrict x, in
     for (int64_t i = 0; i < n; i++) o[i] = a * x[i];
 }
 
-/* q [BH, M, D] (row m is query m % n); qpos [B, n]; kc, vc [BH, L, W]; ks, kz [BH, L / G, D]; vs, vz [BH, L, J];
-   pos [BH, L]; rk, rv [BH, R, D]; rpos [BH, R]; out [BH, M, D]; logits [BH, M, L + R];
+/* The visibility rule of kvcomp.ops.visible: a key at kp is visible to a query at qp when
+   qp - window < kp <= qp (window 0: no lower bound); a query that sees no key at all sees every slot. */
+#define VISIBLE(kp, hi, lo) ((int64_t)(kp) <= (hi) && (int64_t)(kp) >= (lo))
+
+/* q [BH, M, D] (row m is query m % n of the group's head m / n); qpos [B, n]; kc, vc [BH, L, W];
+   ks, kz [BH, L / G, D]; vs, vz [BH, L, J]; pos [BH, L]; rk, rv [BH, R, D]; rpos [BH, R]; out [BH, M, D];
+   logits [BH, M, L + R]; window: sliding window (0: none); softcap: logit soft-cap (0: none); sinks: [H * M / n]
+   sink logits per query head (NULL: none);
    work [BH * chunks, M * D + 2 * D + G * D]; partial [BH * chunks, M, D]. Each row's groups are split into `chunks` ranges
    that threads take in parallel (keys, then values into per-chunk partial sums).
    Needs D % P == 0 and (D / J) % P == 0 (P = 8 / bits codes per byte). */
@@ -73,7 +79,7 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                          const float* rk, const float* rv, const int32_t* rpos, float* out, float* logits,
                          float* work, float* partial, int64_t B, int64_t H, int64_t M, int64_t n, int64_t L,
                          int64_t G, int64_t R, int64_t D, int64_t J, int64_t W, int64_t chunks, int bits,
-                         float scaling, int threads) {
+                         float scaling, int threads, int64_t window, float softcap, const float* sinks) {
     const int64_t BH = B * H, T = L + R, P = 8 / bits, run = D / J / P;  /* run: columns of a channel group per plane */
     const int64_t NG = L / G, per_chunk = (NG + chunks - 1) / chunks;
     int64_t first[BH > 0 ? BH : 1], channel[D > 0 ? D : 1];  /* channel[c]: original channel of column c */
@@ -94,8 +100,12 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                 const float* qb = q + bh * M * D;
                 const int64_t* qp = qpos + (bh / H) * n;
                 float* lg = logits + bh * M * T;
-                int64_t row_pos[M > 0 ? M : 1];  /* each query row's position, or +inf when it sees every slot */
-                for (int64_t m = 0; m < M; m++) row_pos[m] = first[bh] > qp[m % n] ? INT64_MAX : qp[m % n];
+                int64_t row_pos[M > 0 ? M : 1], row_lo[M > 0 ? M : 1];  /* each row's visible range of positions */
+                for (int64_t m = 0; m < M; m++) {
+                    const int blind = first[bh] > qp[m % n];  /* sees no key: sees every slot */
+                    row_pos[m] = blind ? INT64_MAX : qp[m % n];
+                    row_lo[m] = blind || window <= 0 ? INT64_MIN : qp[m % n] - window + 1;
+                }
                 float* scaled_q = work + (bh * chunks + chunk) * (M * D + 2 * D + G * D);  /* plane-major q * key scale */
                 float* codes = scaled_q + M * D;
                 const int64_t g_end = (chunk + 1) * per_chunk < NG ? (chunk + 1) * per_chunk : NG;
@@ -120,7 +130,7 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                             }
                             const float dots[4] = {a0, a1, a2, a3};
                             for (int r = 0; r < 4; r++)
-                                lg[(m + r) * T + t] = kp <= row_pos[m + r] ? (dots[r] + bias[m + r]) * scaling : -INFINITY;
+                                lg[(m + r) * T + t] = VISIBLE(kp, row_pos[m + r], row_lo[m + r]) ? (dots[r] + bias[m + r]) * scaling : -INFINITY;
                         }
                         if (m + 3 <= M) {  /* three rows (a GQA group of 3) in one pass */
                             const float *s0 = scaled_q + m * D, *s1 = s0 + D, *s2 = s1 + D;
@@ -129,30 +139,36 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                                 const float x = codes[c];
                                 a0 += s0[c] * x; a1 += s1[c] * x; a2 += s2[c] * x;
                             }
-                            lg[m * T + t] = kp <= row_pos[m] ? (a0 + bias[m]) * scaling : -INFINITY;
-                            lg[(m + 1) * T + t] = kp <= row_pos[m + 1] ? (a1 + bias[m + 1]) * scaling : -INFINITY;
-                            lg[(m + 2) * T + t] = kp <= row_pos[m + 2] ? (a2 + bias[m + 2]) * scaling : -INFINITY;
+                            lg[m * T + t] = VISIBLE(kp, row_pos[m], row_lo[m]) ? (a0 + bias[m]) * scaling : -INFINITY;
+                            lg[(m + 1) * T + t] = VISIBLE(kp, row_pos[m + 1], row_lo[m + 1]) ? (a1 + bias[m + 1]) * scaling : -INFINITY;
+                            lg[(m + 2) * T + t] = VISIBLE(kp, row_pos[m + 2], row_lo[m + 2]) ? (a2 + bias[m + 2]) * scaling : -INFINITY;
                             m += 3;
                         }
                         for (; m < M; m++)
-                            lg[m * T + t] = kp <= row_pos[m] ? (dot(scaled_q + m * D, codes, D) + bias[m]) * scaling : -INFINITY;
+                            lg[m * T + t] = VISIBLE(kp, row_pos[m], row_lo[m]) ? (dot(scaled_q + m * D, codes, D) + bias[m]) * scaling : -INFINITY;
                     }
                 }
             }
         }
-        /* Residual keys, then a softmax per query row (every row sees at least one slot). */
+        /* Residual keys, then soft-capping and a softmax (with the head's sink) per query row. */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++) {
             for (int64_t m = 0; m < M; m++) {
                 const int64_t qpm = qpos[(bh / H) * n + m % n];
+                const int blind = first[bh] > qpm;
+                const int64_t hi = blind ? INT64_MAX : qpm, lo = blind || window <= 0 ? INT64_MIN : qpm - window + 1;
                 float* row = logits + (bh * M + m) * T;
-                for (int64_t t = 0; t < R; t++) {
-                    const int visible = rpos[bh * R + t] <= qpm || first[bh] > qpm;
-                    row[L + t] = visible ? dot(q + (bh * M + m) * D, rk + (bh * R + t) * D, D) * scaling : -INFINITY;
-                }
-                float top = -INFINITY, sum = 0.0f;
+                for (int64_t t = 0; t < R; t++)
+                    row[L + t] = VISIBLE(rpos[bh * R + t], hi, lo)
+                        ? dot(q + (bh * M + m) * D, rk + (bh * R + t) * D, D) * scaling : -INFINITY;
+                if (softcap > 0.0f)
+                    for (int64_t t = 0; t < T; t++)
+                        if (row[t] != -INFINITY) row[t] = softcap * tanhf(row[t] / softcap);
+                const float sink = sinks ? sinks[(bh % H) * (M / n) + m / n] : -INFINITY;
+                float top = sink, sum = 0.0f;
                 for (int64_t t = 0; t < T; t++) top = row[t] > top ? row[t] : top;
                 for (int64_t t = 0; t < T; t++) { row[t] = expf(row[t] - top); sum += row[t]; }
+                if (sinks) sum += expf(sink - top);
                 const float inv = 1.0f / sum;
                 for (int64_t t = 0; t < T; t++) row[t] *= inv;
             }
@@ -272,7 +288,8 @@ def _compile() -> ctypes.CDLL | None:
         return None
     fn = lib.quant_attention_f32
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 11 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 11 + [ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                                                                    ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
     return lib
 
 
@@ -303,6 +320,9 @@ def quant_attention(
     scaling: float,
     block_tokens: int = 1024,
     sentinel: int = 2**30,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`kvcomp.kernels.quant_ref.quant_attention` (float32 CPU tensors; ``block_tokens`` unused:
     the kernel holds one token's codes at a time)."""
@@ -321,6 +341,7 @@ def quant_attention(
         positions.to(torch.int32).contiguous(),
         residual_keys.contiguous(), residual_values.contiguous(), residual_positions.to(torch.int32).contiguous(),
     ]
+    sinks = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     threads = max(1, torch.get_num_threads())
     # Split each row's groups over the threads when there are fewer (row, KV head) pairs than threads.
     chunks = max(1, min(n_groups, -(-2 * threads // (b * h)))) if threads > 1 else 1
@@ -331,6 +352,6 @@ def quant_attention(
     lib.quant_attention_f32(
         *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
         b, h, rows, n, length, group, r, d, value_scale.shape[-1], key_codes.shape[-1], chunks, bits,
-        float(scaling), threads,
+        float(scaling), threads, int(window or 0), float(softcap or 0.0), None if sinks is None else sinks.data_ptr(),
     )
     return out.reshape(b, hq, n, d)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from kvcomp.kernels.quant_ref import BITS, _compute_dtype, pack, unpack
+from kvcomp.ops import softcap as cap_logits
+from kvcomp.ops import softmax, visible
 
 __all__ = ["BITS", "pack", "unpack", "quant_attention", "plane_order"]
 
@@ -100,6 +102,9 @@ def quant_attention(
     scaling: float,
     block_tokens: int = 1024,
     sentinel: int = 2**30,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`kvcomp.kernels.quant_ref.quant_attention`."""
     b, hq, n, d = q.shape
@@ -127,15 +132,16 @@ def quant_attention(
     if residual_positions.shape[-1]:
         logits.append(torch.matmul(qg, residual_keys.to(cdt).transpose(-1, -2)))
     logits = torch.cat(logits, dim=-1) if len(logits) > 1 else logits[0]
-    logits = logits.mul_(scaling).view(b, h, g, n, -1)
+    logits = cap_logits(logits.mul_(scaling), softcap).view(b, h, g, n, -1)
 
     # Mask by positions; a query that sees no key sees every slot (as the reference does).
     k_pos = torch.cat([positions.flatten(2), residual_positions], dim=2)  # [B, H, L + R]
-    if b > 1 or int(k_pos.max()) > int(q_pos.min()):
-        allowed = k_pos[:, :, None, :] <= q_pos[:, None, :, None]  # [B, H, n, L + R]
+    allowed = visible(q_pos[:, None, :, None], k_pos[:, :, None, :].long(), window)  # [B, H, n, L + R]
+    if not bool(allowed.all()):
         allowed = allowed | ~allowed.any(-1, keepdim=True)
         logits = logits.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
-    probs = logits.softmax(-1).view(b, h, g * n, -1)
+    sink_logits = None if sinks is None else sinks.to(device=q.device, dtype=cdt).view(1, h, g, 1, 1)
+    probs = softmax(logits, sink_logits).view(b, h, g * n, -1)
 
     # Pass 2: values. Per channel group c: p @ (codes * s_c + z_c) = (p * s_c) @ codes + p @ z_c.
     out = torch.zeros(b, h, g * n, d, dtype=cdt, device=q.device)

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from kvcomp.ops import softcap as cap_logits
+from kvcomp.ops import visible
+
 BITS = (2, 4, 8)
 
 
@@ -112,13 +115,17 @@ def quant_attention(
     scaling: float,
     block_tokens: int = 1024,
     sentinel: int = 2**30,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` over quantized groups plus a full-precision residual, with an online softmax.
 
     q: ``[B, H_q, n, D]``; q_pos: ``[B, n]``; key/value codes and scales as :func:`quantize_keys` /
     :func:`quantize_values` return them for ``N`` groups; positions: ``[B, H, N, G]``; residual keys/values
-    ``[B, H, R, D]``, residual_positions ``[B, H, R]`` (``sentinel`` = empty slot). A key is visible to a
-    query when ``key_pos <= query_pos``; a query that sees no key sees every slot (as ``dense_attention``
+    ``[B, H, R, D]``, residual_positions ``[B, H, R]`` (``sentinel`` = empty slot). Visibility, soft-capping
+    and sinks are those of :mod:`kvcomp.ops` (``window``, ``softcap``, ``sinks`` ``[H_q]`` as in
+    :class:`kvcomp.ops.AttentionSpec`); a query that sees no key sees every slot (as ``dense_attention``
     does, so padding queries stay finite). Returns ``[B, H_q, n, D]`` in ``q``'s dtype.
 
     Materialized at a time: the dequantized keys and values of one block of ``block_tokens`` tokens
@@ -139,13 +146,16 @@ def quant_attention(
 
     m = torch.full((b, h, g * n, 1), float("-inf"), dtype=cdt, device=q.device)
     denom = torch.zeros(b, h, g * n, 1, dtype=cdt, device=q.device)
+    if sinks is not None:  # the sink is one more logit whose value is zero: it starts the running softmax
+        m = sinks.to(device=q.device, dtype=cdt).view(1, h, g, 1, 1).expand(b, h, g, n, 1).reshape(b, h, g * n, 1)
+        denom = torch.ones_like(m)
     acc = torch.zeros(b, h, g * n, d, dtype=cdt, device=q.device)
 
     def step(k, v, k_pos):
         nonlocal m, denom, acc
         length = k.shape[2]
-        logits = torch.matmul(qg, k.transpose(-1, -2)) * scaling  # [B, H, g*n, L]
-        allowed = (k_pos.long()[:, :, None, None, :] <= q_pos[:, None, None, :, None]) | blind
+        logits = cap_logits(torch.matmul(qg, k.transpose(-1, -2)) * scaling, softcap)  # [B, H, g*n, L]
+        allowed = visible(q_pos[:, None, None, :, None], k_pos.long()[:, :, None, None, :], window) | blind
         allowed = allowed.expand(b, h, g, n, length).reshape(b, h, g * n, length)
         logits = logits.masked_fill(~allowed, float("-inf"))
         m_new = torch.maximum(m, logits.amax(-1, keepdim=True))

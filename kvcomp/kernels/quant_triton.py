@@ -7,8 +7,10 @@ rows, split of the sequence), so the ``G`` query heads of a KV head (and the ``n
 every byte of K/V read. Codes are unpacked and dequantized in registers (keys: scale and zero per group and
 channel; values: per token and channel group), logits go through an online softmax, and each split writes a
 partial (max, sum, accumulator) that :func:`_combine` merges. The last split handles the full-precision
-residual window. Masking is by positions (``key_pos <= query_pos``, SENTINEL slots never visible except to a
-query that sees no key at all, which sees every slot, as the reference does).
+residual window. Masking is by positions, the rule of :func:`kvcomp.ops.visible` (causal, and the sliding
+window when there is one; SENTINEL slots never visible except to a query that sees no key at all, which sees
+every slot, as the reference does). Logit soft-capping is applied in the kernel, attention sinks (an extra
+softmax entry with a zero value) when the splits are combined.
 """
 
 from __future__ import annotations
@@ -92,14 +94,29 @@ def _online_update(s, m_i, l_i, acc):
 
 
 @triton.jit
+def _visible(kpos, qpos, blind, window):
+    """``[M, N]`` visibility of keys ``kpos`` [N] to queries ``qpos`` [M] (kvcomp.ops.visible; window 0: none)."""
+    ok = (kpos[None, :] <= qpos[:, None]) & ((window <= 0) | (kpos[None, :] > qpos[:, None] - window))
+    return ok | blind[:, None]
+
+
+@triton.jit
+def _softcap(s, cap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        s = cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)  # cap * tanh(s / cap)
+    return s
+
+
+@triton.jit
 def _quant_attention_kernel(
     q_ptr, qpos_ptr, blind_ptr,
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, pos_ptr,
     rk_ptr, rv_ptr, rpos_ptr,
     o_ptr, m_ptr, l_ptr,
-    H, M, NQ, L, NG, R, D, J, n_splits, split_tokens, scaling,
+    H, M, NQ, L, NG, R, D, J, n_splits, split_tokens, scaling, window, softcap,
     GROUP: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr, VCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
@@ -135,9 +152,9 @@ def _quant_attention_kernel(
             ks = tl.load(ks_ptr + grp[:, None] * D + offs_d[None, :], mask=mask_nd, other=0.0).to(tl.float32)
             kz = tl.load(kz_ptr + grp[:, None] * D + offs_d[None, :], mask=mask_nd, other=0.0).to(tl.float32)
             k = ((kc >> shift) & ((1 << BITS) - 1)).to(tl.float32) * ks + kz
-            s = tl.dot(q, tl.trans(k), input_precision=DOT) * scaling
+            s = _softcap(tl.dot(q, tl.trans(k), input_precision=DOT) * scaling, softcap, HAS_SOFTCAP)
             kpos = tl.load(pos_ptr + tok, mask=mask_n, other=0).to(tl.int64)
-            allowed = ((kpos[None, :] <= qpos[:, None]) | blind[:, None]) & mask_n[None, :]
+            allowed = _visible(kpos, qpos, blind, window) & mask_n[None, :]
             s = tl.where(allowed, s, float("-inf"))
             p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
             vc = tl.load(vc_ptr + tok[:, None] * PACKED + byte[None, :], mask=mask_nd, other=0).to(tl.int32)
@@ -152,9 +169,9 @@ def _quant_attention_kernel(
             mask_nd = mask_n[:, None] & mask_d[None, :]
             tok = pid_bh * R + offs_n
             k = tl.load(rk_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_nd, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT) * scaling
+            s = _softcap(tl.dot(q, tl.trans(k), input_precision=DOT) * scaling, softcap, HAS_SOFTCAP)
             kpos = tl.load(rpos_ptr + tok, mask=mask_n, other=0).to(tl.int64)
-            allowed = ((kpos[None, :] <= qpos[:, None]) | blind[:, None]) & mask_n[None, :]
+            allowed = _visible(kpos, qpos, blind, window) & mask_n[None, :]
             s = tl.where(allowed, s, float("-inf"))
             p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
             v = tl.load(rv_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_nd, other=0.0).to(tl.float32)
@@ -167,14 +184,28 @@ def _quant_attention_kernel(
     tl.store(l_ptr + part, l_i, mask=mask_m)
 
 
-def _combine(o: torch.Tensor, m: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+def _combine(o: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Merge split partials: o [BH, S, M, D], m / denom [BH, S, M] -> [BH, M, D] (zeros where nothing was
-    seen)."""
+    seen). ``sinks`` [BH, M]: per query row, a sink logit (an extra softmax entry with a zero value)."""
     top = m.amax(1, keepdim=True)
-    weight = torch.exp(m - torch.where(torch.isfinite(top), top, 0.0))  # exp(-inf) = 0 for empty splits
+    if sinks is not None:
+        top = torch.maximum(top, sinks.unsqueeze(1))
+    safe = torch.where(torch.isfinite(top), top, 0.0)
+    weight = torch.exp(m - safe)  # exp(-inf) = 0 for empty splits
     total = (denom * weight).sum(1)
+    if sinks is not None:
+        total = total + torch.exp(sinks - safe.squeeze(1))
     out = (o * weight.unsqueeze(-1)).sum(1)
     return torch.where(total.unsqueeze(-1) > 0, out / total.clamp_min(1e-30).unsqueeze(-1), 0.0)
+
+
+def row_sinks(sinks: torch.Tensor | None, b: int, h: int, n: int, device) -> torch.Tensor | None:
+    """Sink logits ``[H_q]`` laid out per (row, KV head) and grouped query row: ``[B * H, G * n]`` float32."""
+    if sinks is None:
+        return None
+    g = sinks.numel() // h
+    rows = sinks.to(device=device, dtype=torch.float32).view(1, h, g, 1).expand(b, h, g, n)
+    return rows.reshape(b * h, g * n)
 
 
 def _pow2(n: int, low: int = 16) -> int:
@@ -209,6 +240,9 @@ def quant_attention(
     scaling: float,
     block_tokens: int = 1024,
     sentinel: int = 2**30,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`kvcomp.kernels.quant_ref.quant_attention` (``block_tokens`` is not used: a program holds
     ``BLOCK_N`` tokens in registers at a time)."""
@@ -243,7 +277,8 @@ def quant_attention(
         residual_keys.contiguous(), residual_values.contiguous(), residual_positions.contiguous(),
         o, m, l_sum,
         h, rows, n, length, n_groups, r, d, value_scale.shape[-1], n_splits, split_tokens, float(scaling),
+        int(window or 0), float(softcap or 1.0),
         GROUP=group, BITS=bits, PACKED=key_codes.shape[-1], VCH=d // value_scale.shape[-1],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT=DOT_PRECISION,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT=DOT_PRECISION, HAS_SOFTCAP=softcap is not None,
     )
-    return _combine(o, m, l_sum).reshape(b, hq, n, d).to(q.dtype)
+    return _combine(o, m, l_sum, row_sinks(sinks, b, h, n, q.device)).reshape(b, hq, n, d).to(q.dtype)

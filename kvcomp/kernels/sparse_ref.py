@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from kvcomp.ops import softcap as cap_logits
+from kvcomp.ops import softmax
+
 
 def selected_tokens(indices: torch.Tensor, length: int, page_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Token indices ``[B, H, k * page_size]`` covered by page ``indices`` ``[B, H, k]`` and whether each is
@@ -26,6 +29,8 @@ def sparse_attention(
     indices: torch.Tensor,
     scaling: float,
     page_size: int = 1,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q`` over the selected pages of full K/V.
 
@@ -33,8 +38,9 @@ def sparse_attention(
     integer page indices, one set per KV head shared by its query group (``-1`` = unused slot); page ``i``
     covers tokens ``[i * page_size, (i + 1) * page_size)`` clipped to ``L`` (``page_size = 1``: token
     indices). Every query attends to every selected token (no causal mask: decoding sees the whole cache); a
-    token selected twice counts twice. A row with no valid token gets zeros. Returns ``[B, H_q, n, D]`` in
-    ``q``'s dtype, computed in float32 (float64 for float64 inputs).
+    token selected twice counts twice. A row with no valid token gets zeros. ``softcap`` and ``sinks``
+    (``[H_q]``) as in :class:`kvcomp.ops.AttentionSpec`. Returns ``[B, H_q, n, D]`` in ``q``'s dtype, computed
+    in float32 (float64 for float64 inputs).
     """
     b, hq, n, d = q.shape
     h, length = keys.shape[1], keys.shape[2]
@@ -44,7 +50,11 @@ def sparse_attention(
     k = keys.gather(2, idx).to(cdt)
     v = values.gather(2, idx).to(cdt)
     qg = q.reshape(b, h, hq // h * n, d).to(cdt)
-    logits = torch.matmul(qg, k.transpose(-1, -2)) * scaling
+    logits = cap_logits(torch.matmul(qg, k.transpose(-1, -2)) * scaling, softcap)
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    probs = logits.softmax(-1).nan_to_num(0.0)
+    sink_rows = None
+    if sinks is not None:
+        g = hq // h
+        sink_rows = sinks.to(device=q.device, dtype=cdt).view(1, h, g, 1, 1).expand(b, h, g, n, 1).reshape(b, h, g * n, 1)
+    probs = softmax(logits, sink_rows).nan_to_num(0.0)
     return torch.matmul(probs, v).reshape(b, hq, n, d).to(q.dtype)

@@ -13,14 +13,15 @@ import triton
 import triton.language as tl
 
 from kvcomp.kernels import quant_triton
-from kvcomp.kernels.quant_triton import _combine, _online_update, _pow2, split_plan
+from kvcomp.kernels.quant_triton import _combine, _online_update, _pow2, _softcap, row_sinks, split_plan
 
 
 @triton.jit
 def _sparse_attention_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, o_ptr, m_ptr, l_ptr,
-    M, L, K, D, n_splits, split_slots, scaling,
+    M, L, K, D, n_splits, split_slots, scaling, softcap,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
@@ -45,7 +46,7 @@ def _sparse_attention_kernel(
         rows = (pid_bh * L + tl.where(valid, tok, 0))[:, None] * D + offs_d[None, :]
         mask_nd = valid[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + rows, mask=mask_nd, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT) * scaling
+        s = _softcap(tl.dot(q, tl.trans(k), input_precision=DOT) * scaling, softcap, HAS_SOFTCAP)
         s = tl.where(valid[None, :], s, float("-inf"))
         p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
         v = tl.load(v_ptr + rows, mask=mask_nd, other=0.0).to(tl.float32)
@@ -63,6 +64,8 @@ def sparse_attention(
     indices: torch.Tensor,
     scaling: float,
     page_size: int = 1,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`kvcomp.kernels.sparse_ref.sparse_attention`."""
     b, hq, n, d = q.shape
@@ -81,7 +84,8 @@ def sparse_attention(
     _sparse_attention_kernel[(b * h, m_blocks, n_splits)](
         q.reshape(b, h, rows, d).contiguous(), keys.contiguous(), values.contiguous(),
         indices.contiguous(), o, m, l_sum,
-        rows, length, k_sel, d, n_splits, split_slots, float(scaling),
+        rows, length, k_sel, d, n_splits, split_slots, float(scaling), float(softcap or 1.0),
         PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d), DOT=quant_triton.DOT_PRECISION,
+        HAS_SOFTCAP=softcap is not None,
     )
-    return _combine(o, m, l_sum).reshape(b, hq, n, d).to(q.dtype)
+    return _combine(o, m, l_sum, row_sinks(sinks, b, h, n, q.device)).reshape(b, hq, n, d).to(q.dtype)

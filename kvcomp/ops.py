@@ -1,0 +1,143 @@
+"""Tensor ops that every path computing attention or attention scores shares.
+
+One rule for which keys a query sees (:func:`visible`), one place for logit soft-capping (:func:`softcap`) and
+attention sinks (:func:`softmax`), and dense attention over kept K/V (:func:`dense_attention`). Dense attention,
+the selection scorers, the kernels' torch implementations, KVTC's online softmax, retrieval and lossless
+verification all go through these; the C and Triton kernels implement the same formulas and are tested
+against them. This module imports nothing of kvcomp and nothing of transformers.
+
+Positions, not slot indices, decide visibility: a compressed cache keeps tokens that are not contiguous, so a
+key at original position ``k_pos`` is visible to a query at ``q_pos`` when ``q_pos - window < k_pos <= q_pos``
+(``window`` None: no lower bound). That is transformers' causal mask with its sliding-window overlay
+(``kv_idx > q_idx - sliding_window``). Empty slots (padding, a shorter row's unused slots) hold ``SENTINEL``,
+larger than any real position, so the same test hides them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Position of an empty slot (padding, or a slot a shorter row does not use). Larger than any real position,
+# so the causal bound of :func:`visible` masks it without a separate validity tensor.
+SENTINEL = 2**30
+
+_QUERY_CHUNK = 1024  # queries per block when a mask must be materialized (bounds prefill memory)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer attends, read from the model (``kvcomp.attention.layer_specs``).
+
+    scaling: the logit scale (``head_dim ** -0.5`` for most models; Gemma's ``query_pre_attn_scalar ** -0.5``).
+    window: a sliding-window layer's window ``W`` (a query sees its own and the ``W - 1`` previous positions),
+    or None for full attention.
+    softcap: logits become ``softcap * tanh(logits / softcap)`` before masking (Gemma 2), or None.
+    sinks: ``[H_q]`` per-head sink logits (gpt-oss): one more softmax entry per query head whose value is zero,
+    so probabilities over the real keys sum to less than one; or None.
+    """
+
+    scaling: float
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        """True when attention is a plain softmax of scaled logits (what ``scaled_dot_product_attention`` does)."""
+        return self.softcap is None and self.sinks is None
+
+    def grouped_sinks(self, n_kv_heads: int, n_queries: int, device=None) -> torch.Tensor | None:
+        """The sink logits laid out as the grouped query rows ``[1, H_kv, G * n, 1]`` float32 (row ``g * n + i``
+        is query ``i`` of the group's head ``g``), or None."""
+        if self.sinks is None:
+            return None
+        g = self.sinks.numel() // n_kv_heads
+        rows = self.sinks.float().to(device).view(n_kv_heads, g, 1).expand(n_kv_heads, g, n_queries)
+        return rows.reshape(1, n_kv_heads, g * n_queries, 1)
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Bool, broadcast of ``q_pos`` and ``k_pos``: whether a key at ``k_pos`` is visible to a query at ``q_pos``
+    (``q_pos - window < k_pos <= q_pos``; SENTINEL keys are never visible)."""
+    ok = k_pos <= q_pos
+    if window is not None:
+        ok = ok & (k_pos > q_pos - window)
+    return ok
+
+
+def horizon(next_pos: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """The oldest position a query at ``next_pos`` or later can still see (None: every position)."""
+    return None if window is None else next_pos - window + 1
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (Gemma 2's attention soft-capping), or ``logits`` unchanged when ``cap`` is
+    None. Apply it to scaled logits, before masking."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def softmax(logits: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last dimension of (masked, ``-inf``) logits, with optional sink logits (broadcast to
+    ``logits.shape[:-1] + (1,)``) as an extra entry whose probability is dropped."""
+    if sinks is None:
+        return logits.softmax(-1)
+    top = torch.maximum(logits.amax(-1, keepdim=True), sinks)
+    e = torch.exp(logits - top)
+    return e / (e.sum(-1, keepdim=True) + torch.exp(sinks - top))
+
+
+def attention_probs(qg: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, spec: AttentionSpec,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 probabilities ``[B, H_kv, R, L]`` of grouped queries ``qg`` ``[B, H_kv, R, D]`` over keys ``k``
+    ``[B, H_kv, L, D]``: scale, soft-cap, mask by ``allowed`` (broadcast to ``[B, H_kv, R, L]``), softmax with
+    the layer's sinks (``sinks``: :meth:`AttentionSpec.grouped_sinks` for these rows)."""
+    logits = softcap(torch.matmul(qg, k.transpose(-1, -2)).float() * spec.scaling, spec.softcap)
+    return softmax(logits.masked_fill(~allowed, float("-inf")), sinks)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                    spec: AttentionSpec, need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of ``q`` over kept K/V, masked by positions (:func:`visible`), with the layer's softcap and sinks.
+
+    q: [B, H_q, n, D]; k, v: [B, H_kv, L, D]; q_pos: [B, n]; k_pos: [B, H_kv, L] (SENTINEL = empty slot).
+    Query heads are grouped per KV head (GQA) instead of repeating K/V. A query that sees no key at all (a
+    padding query) attends to every slot rather than produce NaN; its output is never used.
+    Returns out [B, H_q, n, D] and, if asked, weights [B, H_kv, G, n, L] (float32 probabilities).
+    """
+    b, hq, n, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    g = hq // hkv
+    k_pos = k_pos.to(q_pos.dtype)
+    if spec.plain and not need_weights and length:
+        # Decode (n == 1) with every stored key visible, and an unpadded causal prefill, need no mask.
+        if n == 1:
+            allowed = visible(q_pos.view(b, 1, 1), k_pos, spec.window)
+            if bool(allowed.all()):
+                out = F.scaled_dot_product_attention(q.reshape(b, hkv, g, d), k, v, scale=spec.scaling)
+                return out.reshape(b, hq, n, d), None
+        elif n == length and spec.window is None and not bool((k_pos >= SENTINEL).any()):
+            if bool((k_pos == q_pos.view(b, 1, n)).all()):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scaling, enable_gqa=g > 1)
+                return out, None
+    outs, weights = [], []
+    for start in range(0, n, _QUERY_CHUNK):
+        stop = min(n, start + _QUERY_CHUNK)
+        m = stop - start
+        qc = q[:, :, start:stop].reshape(b, hkv, g * m, d)
+        mask = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, :], spec.window)
+        mask = mask | ~mask.any(-1, keepdim=True)  # [B, H_kv, 1, m, L]
+        mask = mask.expand(b, hkv, g, m, length).reshape(b, hkv, g * m, length)
+        if need_weights or not spec.plain:
+            probs = attention_probs(qc, k, mask, spec, spec.grouped_sinks(hkv, m, q.device))
+            outs.append(torch.matmul(probs.to(v.dtype), v))
+            if need_weights:
+                weights.append(probs.view(b, hkv, g, m, length))
+        else:
+            outs.append(F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=spec.scaling))
+    out = torch.cat([o.view(b, hkv, g, -1, d) for o in outs], dim=3).reshape(b, hq, n, d)
+    return out, (torch.cat(weights, dim=3) if need_weights else None)
