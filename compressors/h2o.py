@@ -41,18 +41,22 @@ def accumulated_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
     for start in range(0, n, _PREFILL_CHUNK):
         stop = min(n, start + _PREFILL_CHUNK)
         m = stop - start
-        reach = visible(q_pos[:, start:stop].max(), k_pos).any(0).any(0)  # slots some query of the chunk sees
-        if not bool(reach.any()):
+        # Slots some query of the chunk can see (positions within [lowest - window, highest]): a sliding layer
+        # touches a band of keys, not every earlier one.
+        q_lo, q_hi = q_pos[:, start:stop].min(), q_pos[:, start:stop].max()
+        band = None if spec.window is None else spec.window + (q_hi - q_lo)
+        reach = visible(q_hi, k_pos, band).any(0).any(0).nonzero()
+        if not len(reach):
             continue
-        lim = int(reach.nonzero().max()) + 1
+        lo, hi = int(reach.min()), int(reach.max()) + 1
         qc = q[:, :, start:stop].reshape(b, hkv, g * m, d)
-        allowed = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, :lim], spec.window)
+        allowed = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, lo:hi], spec.window)
         allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding queries: finite, then zero-weighted
-        allowed = allowed.expand(b, hkv, g, m, lim).reshape(b, hkv, g * m, lim)
-        probs = attention_probs(qc, k[:, :, :lim], allowed, spec, spec.grouped_sinks(hkv, m, q.device))
+        allowed = allowed.expand(b, hkv, g, m, hi - lo).reshape(b, hkv, g * m, hi - lo)
+        probs = attention_probs(qc, k[:, :, lo:hi], allowed, spec, spec.grouped_sinks(hkv, m, q.device))
         # Sum over the group and the real queries as one batched matmul (einsum here was ~30x slower on CPU).
         weights = q_real[:, start:stop].view(b, 1, 1, m).expand(b, hkv, g, m).reshape(b, hkv, 1, g * m)
-        total[..., :lim] += torch.matmul(weights, probs).view(b, hkv, lim)
+        total[..., lo:hi] += torch.matmul(weights, probs).view(b, hkv, hi - lo)
     return total
 
 

@@ -56,9 +56,11 @@ from kvcomp.generation import (
     cache_stats,
     generate_ids,
     lossless_config,
+    prompt_template,
     resolve_compressor,
     split_prompt,
     stop_token_ids,
+    template_overhead,
 )
 from kvcomp.lossless import Lossless
 from kvcomp.metrics import fidelity
@@ -123,14 +125,10 @@ def _count_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
 
-def chat_template_overhead(tokenizer) -> int:
-    """Tokens the chat template adds around an empty user message (0 without a template)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return 0
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True
-    )
-    return _count_tokens(tokenizer, text)
+def chat_template_overhead(tokenizer, chat_template: bool = True) -> int:
+    """Tokens the prompt template adds (the chat template around an empty user message, or the plain
+    template's BOS); see :func:`kvcomp.generation.template_overhead`."""
+    return template_overhead(tokenizer, chat_template)
 
 
 def _load_ruler(
@@ -148,8 +146,9 @@ def _load_ruler(
         raise ValueError(f"{name}: RULER samples are generated at a token length; pass length= (e.g. 4096).")
     num_samples = RULER_DEFAULT_SAMPLES if num_samples is None else num_samples
     options = dict(options)
-    if chat_template and "reserve_tokens" not in options:
-        options["reserve_tokens"] = chat_template_overhead(tokenizer)  # the template must fit in `length` too
+    chat_template = prompt_template(tokenizer, chat_template) == "chat"  # a base model gets the plain template
+    if "reserve_tokens" not in options:
+        options["reserve_tokens"] = chat_template_overhead(tokenizer, chat_template)  # it must fit in `length` too
     task = name.split("/", 1)[1]
     raw = generate_samples(task, tokenizer, length=length, num_samples=num_samples, seed=seed, **options)
     samples = [
@@ -195,12 +194,13 @@ def _load_longbench(
     family, task = name.split("/", 1)
     spec = get_task(task)
     use_template = spec.use_chat_template if chat_template is None else chat_template
+    use_template = prompt_template(tokenizer, use_template) == "chat"
     raw = load_task(
         task, data_dir=data_dir, longbench_e=family == "longbench_e", max_samples=num_samples, **options
     )
     if length is not None:
         # pred.py's middle truncation, leaving room for the answer and the chat template.
-        budget = length - spec.max_new_tokens - (chat_template_overhead(tokenizer) if use_template else 0)
+        budget = length - spec.max_new_tokens - chat_template_overhead(tokenizer, use_template)
         raw = [truncate_sample(s, tokenizer, budget, add_special_tokens=False) for s in raw]
     classes = {}
     samples = []
@@ -715,6 +715,7 @@ def _records(task_samples: Task, batch: list[Sample], out: _Batch, config: dict,
             else math.inf,
             "kept_tokens": out.kept_tokens[i],
             "batch_size": len(batch),
+            "template": "chat" if s.chat_template else "plain",
             "lossless_stats": out.lossless,
             "mode": mode,
             **config,

