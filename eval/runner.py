@@ -63,6 +63,7 @@ from kvcomp.generation import (
 from kvcomp.lossless import Lossless
 from kvcomp.metrics import fidelity
 from kvcomp.registry import name_of
+from kvcomp.validation import UsageError, check_context_length, positive_int
 
 RULER_DEFAULT_SAMPLES = 100
 REFERENCE_FILE = "reference.jsonl"
@@ -262,6 +263,8 @@ def load_samples(
     :func:`eval.longbench.load_task`.
     """
     family = task.split("/", 1)[0]
+    positive_int("num_samples", num_samples, none=True, owner=task, error=UsageError, hint=" (None: all)")
+    positive_int("length", length, none=True, owner=task, error=UsageError, hint=" tokens")
     if "/" not in task or family not in ("ruler", "longbench", "longbench_e"):
         raise ValueError(
             f"Unknown task {task!r}: name it 'ruler/<task>', 'longbench/<task>' or 'longbench_e/<task>'."
@@ -566,14 +569,12 @@ def _run_config(model, compressor: Compressor | None, query_aware: bool, model_n
 
 
 def _check_context(model, task_samples: Task) -> None:
-    context_limit = getattr(model.config, "max_position_embeddings", None)
-    if context_limit:
-        needed = max((s.length_tokens + s.max_new_tokens for s in task_samples.samples), default=0)
-        if needed > context_limit:
-            raise ValueError(
-                f"{task_samples.name}: samples need up to {needed} tokens (prompt + generation) but the model's "
-                f"context is {context_limit} tokens; pass a smaller length= or use a model with a longer context."
-            )
+    if not task_samples.samples:
+        raise UsageError(f"{task_samples.name}: the task has no samples (num_samples={task_samples.config.get('num_samples')!r}"
+                         "); ask for at least one.")
+    needed = max(s.length_tokens + s.max_new_tokens for s in task_samples.samples)
+    check_context_length(model, needed, f"{task_samples.name}: samples",
+                         "pass a smaller length= or use a model with a longer context.")
 
 
 def _produce(

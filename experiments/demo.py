@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eval.runner import load_samples, run_grid
 from kvcomp.registry import create
+from kvcomp.validation import UsageError, positive_int
 
 COMPRESSORS = ("streaming_llm", "h2o", "snapkv")
 MODES = {"agnostic": False, "aware": True}
@@ -24,6 +25,8 @@ COLUMNS = ["compressor", "ratio", "mode", "accuracy", "memory_factor", "exact_ma
 def run_demo(model, tokenizer, *, samples: int = 3, length: int = 2048, ratios=(0.5, 0.75),
              compressors=COMPRESSORS, modes=("agnostic", "aware"), out_dir: str | Path = "runs/demo",
              max_new_tokens: int = 16, task: str = "ruler/niah_single_1", progress: bool = True) -> list[dict]:
+    for name, value in (("samples", samples), ("length", length), ("max_new_tokens", max_new_tokens)):
+        positive_int(name, value, owner="kvcomp demo", error=UsageError)
     out_dir = Path(out_dir)
     bench = load_samples(task, tokenizer, length=length, num_samples=samples, seed=0,
                          tokens_to_generate=max_new_tokens)

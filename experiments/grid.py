@@ -24,6 +24,7 @@ from eval.ruler import TaskDataUnavailable
 from eval.runner import load_samples, run_grid
 from experiments.report import make_report
 from kvcomp.registry import create
+from kvcomp.validation import UsageError, positive_int
 
 MODES = {"agnostic": False, "aware": True}
 # RULER's tasks that need no external data (qa_1/qa_2 read SQuAD/HotpotQA).
@@ -34,6 +35,9 @@ def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ra
               params: dict | None = None, max_new_tokens: int | None = None, seed: int = 0,
               progress: bool = True) -> dict[str, Path]:
     """Run the grid into ``out_dir`` and write the report; returns the report's files."""
+    positive_int("samples", samples, owner="kvcomp grid", error=UsageError)
+    for length in lengths:
+        positive_int("length", length, owner="kvcomp grid", error=UsageError)
     out_dir = Path(out_dir)
     unknown = [m for m in modes if m not in MODES]
     if unknown:

@@ -129,10 +129,12 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run ``cfg`` into ``run_dir``; returns the summary. Usable without Hydra's app (give a composed cfg)."""
     from eval.runner import load_records, load_samples, run, summarize
     from kvcomp import load_model
+    from kvcomp.validation import UsageError, positive_int
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     compressor = build_compressor(cfg)  # fails before the model loads
+    positive_int("task.num_samples", cfg.task.num_samples, none=True, error=UsageError, hint=" (None: all)")
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     ref_path = reference_path(cfg, run_dir)
     meta = {
@@ -241,8 +243,13 @@ def _write_json(path: Path, data: dict) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> dict[str, Any]:
+    from kvcomp.validation import CLEAR_ERRORS
+
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    summary = evaluate(cfg, run_dir)
+    try:
+        summary = evaluate(cfg, run_dir)
+    except CLEAR_ERRORS as err:  # its message says what to change: one line, not a traceback
+        raise SystemExit(f"experiments.run: {err}") from None
     print(
         f"{cfg.task.name} {summary['compressor']['name']} {summary['mode']}: score {summary['score']:.1f}, "
         f"memory_factor {summary['memory_factor']:.2f}, exact_match_rate {summary['exact_match_rate']} "

@@ -155,6 +155,9 @@ def collect(model, tokenizer, text: str, tokens: int, seq_len: int, n_sink: int)
         keys.append(undo_rope(k, pos, inv_freq, scaling).transpose(1, 2))
         values.append(v.transpose(1, 2))
         taken += chunk.numel()
+    if not keys:
+        raise CompressorError(f"KVTC calibration needs more than the n_sink={n_sink} tokens per sequence it skips; "
+                              f"got tokens={tokens}, seq_len={seq_len}. Give more tokens (--tokens).")
     return torch.cat(keys, 1), torch.cat(values, 1)
 
 
@@ -210,8 +213,20 @@ def calibrate(model, tokenizer, out: str | os.PathLike, text: str | None = None,
     """Fit and save a KVTC artifact for ``model``; returns its path."""
     from safetensors.torch import save_file
 
+    from kvcomp import validation
+
+    validation.positive_int("tokens", tokens, owner="KVTC calibration", hint=" (calibration tokens, --tokens)")
+    validation.non_negative_int("n_sink", n_sink, owner="KVTC calibration")
+    validation.integer("seq_len", seq_len, n_sink + 1, owner="KVTC calibration",
+                       hint=" (tokens per sequence, --seq-len; more than n_sink)")
     text = text if text is not None else default_text(num_words=tokens * 2)
     keys, values = collect(model, tokenizer, text, tokens, seq_len, n_sink)
+    head_dim = keys.shape[-1]
+    if keys.shape[1] < head_dim:  # a full-rank PCA of a D-dimensional head needs D samples
+        raise CompressorError(
+            f"KVTC calibration got {keys.shape[1]} tokens past the {n_sink} sinks of each sequence; a {head_dim}-"
+            f"dimensional head needs at least {head_dim}. Give more tokens (--tokens) or longer sequences (--seq-len)."
+        )
     tensors = fit(keys, values)
     inv_freq, scaling = rotary(model)
     tensors.update(inv_freq=inv_freq, probe=weight_probe(model), option_bits=torch.tensor(OPTION_BITS),
