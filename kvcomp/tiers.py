@@ -280,9 +280,6 @@ class TierFull(ResourceError):
         super().__init__(errno.ENOSPC, message)
         self.directory, self.needed, self.free = directory, needed, free
 
-    def __str__(self) -> str:
-        return self.strerror
-
 
 TIER_PREFIX = "kvcomp-tier-"
 OWNER_LOCK = "owner.lock"

@@ -40,7 +40,11 @@ class ContextTooLong(UsageError):
 
 class ResourceError(OSError):
     """Something kvcomp needs on this machine is not available (a full offload disk, a run directory another
-    process is writing, an output path that is a symbolic link); the message says what to do."""
+    process is writing, an output path that is a symbolic link); the message says what to do. Raised as
+    ``ResourceError(errno, message)``; ``str()`` is the message alone."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror else super().__str__()
 
 
 # What the ``kvcomp`` command and ``experiments.run`` print as one line (exit status 2) instead of a traceback.

@@ -213,3 +213,110 @@ def test_what_sigkill_leaves_is_swept_at_the_next_start_and_live_tiers_are_kept(
     finally:
         alive.kill()
         alive.wait(timeout=60)
+
+
+# -- item 2: one process per run directory ---------------------------------------------------------------------
+DEMO = ["demo", "--model", "tiny", "--samples", "1", "--length", "256", "--compressors", "snapkv", "--ratios", "0.5",
+        "--mode", "aware", "--max-new-tokens", "2"]
+
+
+def _records(root: Path) -> list[str]:
+    return sorted(line for p in root.rglob("results.jsonl") for line in p.read_text().splitlines())
+
+
+def test_a_second_process_on_a_held_run_directory_is_refused_naming_the_holder(tmp_path):
+    from kvcomp.files import lock_run_dir
+
+    out = tmp_path / "demo"
+    lock = lock_run_dir(out, "the test")
+    try:
+        proc = python("import sys; from experiments.cli import main; sys.exit(main(sys.argv[1:]))",
+                      *DEMO, "--out", str(out))
+        assert proc.returncode == 2, proc.stderr[-3000:]  # before the fix: 0, and both write every record
+        assert f"kvcomp: {out} is being written by another kvcomp process (pid {os.getpid()} on " in proc.stderr
+        assert "pytest" in proc.stderr and "Traceback" not in proc.stderr and _records(out) == []
+        run = python("import sys; from experiments.run import main; main()", "model=tiny", "task.length=256",
+                     "task.num_samples=1", "fidelity=false", f"hydra.run.dir={out}")
+        assert run.returncode != 0 and f"pid {os.getpid()}" in run.stderr and "Traceback" not in run.stderr
+        assert not (out / "config.yaml").exists()
+    finally:
+        lock.release()
+    proc = python("import sys; from experiments.cli import main; sys.exit(main(sys.argv[1:]))", *DEMO, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_records(out)) == 2  # none and snapkv-0.5, one sample each: nothing duplicated
+
+
+def test_the_api_refuses_a_directory_another_process_holds_and_re_enters_its_own(tiny, tmp_path):
+    from eval.runner import load_samples, run, run_grid
+    from kvcomp.files import RunDirBusy, lock_run_dir
+
+    model, tokenizer = tiny
+    task = load_samples("ruler/niah_single_1", tokenizer, length=256, num_samples=1, tokens_to_generate=2)
+    holder = spawn("""
+        import sys, time
+        from kvcomp.files import lock_run_dir
+        lock = lock_run_dir(sys.argv[1], "the child")
+        print("held", flush=True)
+        time.sleep(120)
+    """, str(tmp_path / "grid"))
+    try:
+        ready(holder)
+        with pytest.raises(RunDirBusy, match=f"pid {holder.pid} on .*-c {tmp_path / 'grid'}"):
+            run_grid(model, tokenizer, task, {"none": None}, query_aware=False, out_dir=tmp_path / "grid")
+        with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
+            run(model, tokenizer, task, None, query_aware=False, out_path=tmp_path / "grid" / "results.jsonl")
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    # This process may take the lock it already holds (experiments.run holds its run directory around run()).
+    with lock_run_dir(tmp_path / "mine"):
+        records = list(run(model, tokenizer, task, None, query_aware=False, out_path=tmp_path / "mine" / "r.jsonl"))
+    assert len(records) == 1
+    with lock_run_dir(tmp_path / "grid"):  # the holder is dead: its lock went with it
+        pass
+
+
+# -- item 2: output files that are symbolic links --------------------------------------------------------------
+VICTIM = b'{"id": "keep me"}\n{"partial'  # an interrupted last line: the resume repair would truncate it
+
+
+@pytest.mark.parametrize("where", ["run-results", "run-reference", "grid-results", "grid-summary", "grid-dir",
+                                   "grid-reference", "demo-csv", "experiments-config", "experiments-summary"])
+def test_an_output_that_is_a_symlink_is_refused_and_its_target_untouched(tiny, tmp_path, where):
+    from eval.runner import load_samples, run, run_grid
+    from experiments.demo import run_demo
+
+    model, tokenizer = tiny
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.jsonl"
+    victim.write_bytes(VICTIM)
+    out = tmp_path / "out"
+    task = load_samples("ruler/niah_single_1", tokenizer, length=256, num_samples=1, tokens_to_generate=2)
+    link = {"run-results": out / "results.jsonl", "run-reference": out / "reference.jsonl",
+            "grid-results": out / "none" / "results.jsonl", "grid-summary": out / "none" / "summary.json",
+            "grid-dir": out / "none", "grid-reference": out / "reference.jsonl",
+            "demo-csv": out / "summary-L256.csv", "experiments-config": out / "config.yaml",
+            "experiments-summary": out / "summary.json"}[where]
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(outside if where == "grid-dir" else victim)
+    error = None
+    try:
+        if where.startswith("run"):
+            list(run(model, tokenizer, task, None, query_aware=False, out_path=out / "results.jsonl"))
+        elif where.startswith("grid"):
+            run_grid(model, tokenizer, task, {"none": None}, query_aware=False, out_dir=out)
+        elif where == "demo-csv":
+            run_demo(model, tokenizer, samples=1, length=256, compressors=(), modes=("aware",), out_dir=out,
+                     max_new_tokens=2, progress=False)
+        else:
+            from experiments.run import evaluate
+            from tests.test_experiments import compose
+
+            cfg = compose(["model=tiny", "task.length=256", "task.num_samples=1", "task.max_new_tokens=2",
+                           "fidelity=false"])
+            evaluate(cfg, out)
+    except Exception as err:  # noqa: BLE001 (checked below, after the target)
+        error = err
+    assert victim.read_bytes() == VICTIM and os.listdir(outside) == ["victim.jsonl"]  # before the fix: truncated
+    assert isinstance(error, OSError) and str(error).startswith(f"{link} is a symbolic link; kvcomp does not write")
