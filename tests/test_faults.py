@@ -9,6 +9,8 @@ output directory, corrupted calibration artifacts and a planted kernel library.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -320,3 +322,94 @@ def test_an_output_that_is_a_symlink_is_refused_and_its_target_untouched(tiny, t
         error = err
     assert victim.read_bytes() == VICTIM and os.listdir(outside) == ["victim.jsonl"]  # before the fix: truncated
     assert isinstance(error, OSError) and str(error).startswith(f"{link} is a symbolic link; kvcomp does not write")
+
+
+# -- item 2: corrupted KVTC artifacts ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def kvtc_artifact(tiny, tmp_path_factory) -> Path:
+    from kvcomp import kvtc_calibration as calibration
+
+    model, tokenizer = tiny
+    return calibration.calibrate(model, tokenizer, tmp_path_factory.mktemp("kvtc") / "tiny.safetensors",
+                                 tokens=600, seq_len=300)
+
+
+def _flip_byte(path: Path, tensor: str, at: int = 5) -> None:
+    """Flip one byte of ``tensor``'s data in a safetensors file (8-byte header length, JSON header, data)."""
+    import json as _json
+
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    begin, _ = _json.loads(raw[8:8 + n])[tensor]["data_offsets"]
+    raw[8 + n + begin + at] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+def _rewrite(src: Path, dst: Path, change) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+    change(tensors, meta)
+    save_file(tensors, str(dst), metadata=meta)
+
+
+@pytest.mark.parametrize("damage", ["flip-basis", "flip-step", "nan-basis", "missing-basis", "truncated",
+                                    "no-digest-v3", "bad-shape"])
+def test_a_damaged_kvtc_artifact_is_refused_naming_what_is_wrong(tiny, kvtc_artifact, tmp_path, damage):
+    import torch
+
+    from kvcomp import kvtc_calibration as calibration
+    from kvcomp.compressor import CompressorError
+
+    model, _ = tiny
+    path = tmp_path / "damaged.safetensors"
+    shutil.copy(kvtc_artifact, path)
+    if damage.startswith("flip"):
+        _flip_byte(path, damage.split("-")[1])
+        expected = "is corrupted: its tensors do not match the sha256 recorded"
+    elif damage == "nan-basis":
+        def nan(tensors, meta):  # written with a consistent digest: only the finiteness check can tell
+            tensors["basis"][0, 0, 0, 0, 0] = float("nan")
+            meta["tensors_sha256"] = calibration.tensors_digest(tensors)
+        _rewrite(kvtc_artifact, path, nan)
+        expected = "has 1 non-finite value (NaN or inf) in tensor 'basis'"
+    elif damage == "missing-basis":
+        _rewrite(kvtc_artifact, path, lambda tensors, meta: tensors.pop("basis"))
+        expected = "lacks the tensor 'basis'"
+    elif damage == "truncated":
+        path.write_bytes(kvtc_artifact.read_bytes()[:-1000])
+        expected = "Cannot read the KVTC artifact"
+    elif damage == "no-digest-v3":
+        _rewrite(kvtc_artifact, path, lambda tensors, meta: meta.pop("tensors_sha256"))
+        expected = "has lost the digest"
+    else:
+        _rewrite(kvtc_artifact, path, lambda tensors, meta: tensors.update(mean=torch.zeros(3)))
+        expected = "tensor 'mean' has shape (3,)"
+    with pytest.raises(CompressorError, match=re.escape(expected)) as err:
+        calibration.load_artifact(path, model)
+    assert str(path) in str(err.value) and "Recalibrate with: kvcomp calibrate kvtc" in str(err.value)
+    shutil.copy(kvtc_artifact, path)
+    assert calibration.load_artifact(path, model).basis.shape[-1] == 16  # the intact copy still loads
+
+
+def test_a_version_2_artifact_without_a_digest_still_loads_with_a_warning(tiny, kvtc_artifact, tmp_path):
+    from compressors.kvtc import KVTC
+    from kvcomp import generate
+    from kvcomp import kvtc_calibration as calibration
+
+    model, tokenizer = tiny
+    old = tmp_path / "v2.safetensors"
+
+    def as_v2(tensors, meta):
+        meta.pop("tensors_sha256")
+        meta["version"] = "2"
+
+    _rewrite(kvtc_artifact, old, as_v2)
+    assert not calibration.is_current(old)
+    with pytest.warns(UserWarning, match="carries no digest .*Recalibrate with: kvcomp calibrate kvtc"):
+        result = generate(model, tokenizer, "The grass is green. " * 40, "\nQ?", max_new_tokens=3,
+                          compressor=KVTC(compression_factor=4, artifact=str(old), window=16))
+    assert result.memory_factor > 1.5
+    assert calibration.is_current(kvtc_artifact)
