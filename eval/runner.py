@@ -360,6 +360,13 @@ def load_records(path: str | os.PathLike) -> list[dict]:
     return _read_jsonl(Path(path))
 
 
+def task_records(path: str | os.PathLike, task_samples: Task) -> list[dict]:
+    """The records of ``path`` for the samples of ``task_samples`` (a resumed directory may hold more, from an
+    earlier run asked for more samples; a summary of this run describes the samples it was asked for)."""
+    ids = {s.id for s in task_samples.samples}
+    return [r for r in load_records(path) if r.get("id") in ids]
+
+
 def _append(path: Path, rows: Iterable[dict]) -> None:
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     # One write per call in append mode: concurrent writers of the sidecar do not interleave lines.
@@ -641,7 +648,7 @@ def run_grid(
     the full KV whatever the compressor, so each compressor only adds its compression and decoding).
 
     Writes ``out_dir/<label>/results.jsonl`` (the records of :func:`run`, plus ``compress_seconds`` and
-    ``shared_prefill_seconds``) and ``summary.json`` per label, the
+    ``shared_prefill_seconds``) and ``summary.json`` per label (over the samples of ``task_samples``), the
     layout ``kvcomp report`` reads, and the uncompressed generations to ``out_dir/reference.jsonl`` for fidelity.
     Resumable: samples whose records exist for a label are not redone. Returns the summary per label. Batch
     size 1. One process at a time per ``out_dir`` (:func:`kvcomp.files.lock_run_dir`)."""
@@ -706,7 +713,8 @@ def _run_grid(model, tokenizer, task_samples: Task, resolved: dict[str, Compress
 
     summaries = {}
     for label, path in paths.items():
-        summaries[label] = {**summarize(load_records(path)), "task": task_samples.name,
+        # The samples of this task only: a directory may hold more, from an earlier, larger run.
+        summaries[label] = {**summarize(task_records(path, task_samples)), "task": task_samples.name,
                             "length": task_samples.config.get("length"), "run_dir": str(path.parent)}
         files.write_text(path.parent / "summary.json", json.dumps(_jsonable(summaries[label]), indent=2) + "\n")
     return summaries

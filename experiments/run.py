@@ -139,7 +139,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
 
 def _evaluate(cfg: DictConfig, run_dir: Path, compressor, started: float) -> dict[str, Any]:
-    from eval.runner import load_records, load_samples, run, summarize
+    from eval.runner import load_samples, run, summarize, task_records
     from kvcomp import load_model
 
     for name in ("summary.json", "run_meta.json"):  # written last: refuse a link before the work
@@ -189,7 +189,7 @@ def _evaluate(cfg: DictConfig, run_dir: Path, compressor, started: float) -> dic
     for _ in run(model, tokenizer, task, compressor, out_path=out_path, reference=ref_path, lossless=lossless,
                  **common):
         pass
-    records = load_records(out_path)
+    records = task_records(out_path, task)  # the samples asked for (the directory may hold more)
     summary = {**summarize(records), "task": t.name, "length": t.length, "run_dir": str(run_dir)}
     _write_json(run_dir / "summary.json", summary)
 

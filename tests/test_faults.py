@@ -413,3 +413,22 @@ def test_a_version_2_artifact_without_a_digest_still_loads_with_a_warning(tiny, 
                           compressor=KVTC(compression_factor=4, artifact=str(old), window=16))
     assert result.memory_factor > 1.5
     assert calibration.is_current(kvtc_artifact)
+
+
+# -- item 5: the demo table describes the samples asked for ----------------------------------------------------
+def test_demo_with_fewer_samples_than_the_directory_holds_reports_those_samples(capsys, tmp_path):
+    import csv
+
+    from experiments.cli import main
+
+    args = DEMO[:3] + DEMO[5:] + ["--out", str(tmp_path)]  # DEMO without its --samples
+    assert main(args + ["--samples", "3"]) == 0
+    capsys.readouterr()
+    assert main(args + ["--samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 samples" in out
+    rows = list(csv.DictReader(open(tmp_path / "summary-L256.csv")))
+    assert [r["n"] for r in rows] == ["2", "2"]  # before the fix: 3, the whole directory, under a "2 samples" title
+    assert len(_records(tmp_path)) == 6  # the third sample's records stay on disk
+    summary = (tmp_path / "L256" / "aware" / "snapkv-0.5" / "summary.json").read_text()
+    assert '"n": 2' in summary
