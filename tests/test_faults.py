@@ -432,3 +432,45 @@ def test_demo_with_fewer_samples_than_the_directory_holds_reports_those_samples(
     assert len(_records(tmp_path)) == 6  # the third sample's records stay on disk
     summary = (tmp_path / "L256" / "aware" / "snapkv-0.5" / "summary.json").read_text()
     assert '"n": 2' in summary
+
+
+# -- item 5: a cached kernel library is loaded only when it is ours and writable by no one else -----------------
+@pytest.mark.parametrize("plant", ["group-writable", "other-owner", "symlink", "shared-dir", "open-dir"])
+def test_a_planted_or_tampered_kernel_library_is_rebuilt_not_loaded(tmp_path, monkeypatch, plant):
+    import stat
+
+    from kvcomp.kernels import cpu_native
+
+    if not shutil.which(os.environ.get("CC", "cc")):
+        pytest.fail("the native kernel tests need a C compiler (cc)")
+    if plant in ("other-owner", "shared-dir") and os.geteuid() != 0:
+        pytest.skip("planting another user's file needs root (the CI runs as root)")
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVCOMP_NATIVE", "1")
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    target = cpu_native.library_path()
+    target.parent.mkdir(parents=True)
+    planted = b"\x7fELF not a library: loading it would run whatever it holds"
+    if plant == "symlink":
+        (tmp_path / "elsewhere.so").write_bytes(planted)
+        target.symlink_to(tmp_path / "elsewhere.so")
+    elif plant == "open-dir":  # our own directory, writable by anyone: made private, then used
+        os.chmod(target.parent, 0o777)
+        planted = None
+    else:
+        target.write_bytes(planted)
+        os.chmod(target, 0o666 if plant == "group-writable" else 0o755)
+    if plant == "other-owner":
+        os.chown(target, 65534, 65534)  # nobody (the CI runs as root; as another user chown would fail)
+    if plant == "shared-dir":
+        os.chown(target.parent, 65534, 65534)
+    with pytest.warns(UserWarning, match="Rebuilding it|private temporary directory|made it private"):
+        lib = cpu_native.load()
+    assert lib is not None and hasattr(lib, "quant_attention_f32")  # before the fix: the planted file, unloadable
+    if plant == "shared-dir":
+        assert target.read_bytes() == planted  # not used, not replaced: the directory is not ours
+    else:
+        st = os.lstat(target)
+        assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+        assert target.read_bytes() != planted and not os.stat(target.parent).st_mode & 0o022
+        assert (tmp_path / "elsewhere.so").exists() or plant != "symlink"
