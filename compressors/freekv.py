@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp.compressor import CompressorError
+from kvcomp import validation
 from kvcomp.retrieval import Retrieval, RetrievalState
 
 
@@ -35,8 +35,7 @@ class FreeKV(Retrieval):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size <= 0:
-            raise CompressorError(f"page_size must be a positive number of tokens, got {self.page_size!r}.")
+        validation.positive_int("page_size", self.page_size, owner=self, hint=" (tokens per page)")
 
     @property
     def chunk(self) -> int:  # pages are summarized whole

@@ -16,7 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from kvcomp.compressor import Capabilities, CompressorError
+from kvcomp import validation
+from kvcomp.compressor import Capabilities
 from kvcomp.ops import AttentionSpec, attention_probs, visible
 from kvcomp.selection import TokenSelection, TokenStore, compact, recent_mask, select_top, store_from_block
 
@@ -68,8 +69,8 @@ class H2O(TokenSelection):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 <= self.recent_fraction <= 1.0:
-            raise CompressorError(f"recent_fraction must be in [0, 1], got {self.recent_fraction!r}.")
+        validation.fraction("recent_fraction", self.recent_fraction, owner=self,
+                            hint=" (share of the budget kept for the newest tokens)")
 
     def _protect_recent(self, scores, positions, seen, kept):
         # The newest ceil(recent_fraction * kept) tokens of each row are never evicted.

@@ -50,6 +50,7 @@ import torch
 
 from kvcomp import kvtc_calibration as calibration
 from kvcomp import transform_coding as tc
+from kvcomp import validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
 from kvcomp.selection import TokenStore, compact
 
@@ -83,15 +84,14 @@ class KVTC(Compressor):
     capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, needs_calibration=True)
 
     def __post_init__(self) -> None:
-        f = self.compression_factor
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1.0:
-            raise CompressorError(f"compression_factor must be a number >= 1 (target over 16/32-bit KV), got {f!r}.")
-        for name, low in (("n_sink", 0), ("window", 0), ("block_size", 1), ("group_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise CompressorError(f"{name} must be an integer >= {low}, got {value!r}.")
-        if self.block_size > 512:
-            raise CompressorError(f"block_size must be at most 512 tokens (2-byte segment lengths), got {self.block_size}.")
+        validation.finite_float("compression_factor", self.compression_factor, 1.0, owner=self,
+                                hint=" (target over the 16/32-bit KV)")
+        validation.path_or_none("artifact", self.artifact, owner=self)
+        validation.non_negative_int("n_sink", self.n_sink, owner=self)
+        validation.non_negative_int("window", self.window, owner=self)
+        validation.positive_int("block_size", self.block_size, high=512, owner=self,
+                                hint=" tokens (2-byte segment lengths)")
+        validation.positive_int("group_size", self.group_size, owner=self, hint=" (principal components per DP group)")
         self._calibration: calibration.Calibration | None = None
         self._codecs: dict = {}
         if self.artifact is not None:

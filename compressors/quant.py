@@ -45,7 +45,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcomp import kernels
+from kvcomp import kernels, validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
 from kvcomp.kernels import quant_ref
 from kvcomp.selection import TokenStore, compact
@@ -118,20 +118,11 @@ class Quant(Compressor):
     capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, supports_batch=True)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bits, int) or isinstance(self.bits, bool) or self.bits not in quant_ref.BITS:
-            raise CompressorError(
-                f"bits must be one of {', '.join(map(str, quant_ref.BITS))}; got {self.bits!r}."
-            )
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0:
-            raise CompressorError(f"group_size must be a positive number of tokens, got {self.group_size!r}.")
-        if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
-            raise CompressorError(
-                f"residual must be a non-negative number of full-precision tokens, got {self.residual!r}."
-            )
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise CompressorError(
-                f"n_sink must be a non-negative number of first tokens kept in full precision, got {self.n_sink!r}."
-            )
+        validation.choice("bits", self.bits, quant_ref.BITS, owner=self)
+        validation.positive_int("group_size", self.group_size, owner=self, hint=" (tokens per key group)")
+        validation.non_negative_int("residual", self.residual, owner=self, hint=" (full-precision recent tokens)")
+        validation.non_negative_int("n_sink", self.n_sink, owner=self,
+                                    hint=" (first tokens kept in full precision)")
 
     def value_channels(self, head_dim: int) -> int:
         """Channels per value group: ``group_size``, or the whole head when the head is smaller."""

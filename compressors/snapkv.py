@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from kvcomp import validation
 from kvcomp.compressor import Capabilities, CompressorError
 from kvcomp.ops import attention_probs, visible
 from kvcomp.selection import TokenSelection
@@ -40,12 +41,12 @@ class SnapKV(TokenSelection):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window is not None and (not isinstance(self.window, int) or self.window <= 0):
-            raise CompressorError(f"window must be a positive number of queries or None, got {self.window!r}.")
-        if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise CompressorError(f"kernel_size must be a positive odd integer, got {self.kernel_size!r}.")
-        if self.pooling not in ("avg", "max"):
-            raise CompressorError(f"pooling must be 'avg' or 'max', got {self.pooling!r}.")
+        validation.positive_int("window", self.window, none=True, owner=self, hint=" (observed queries)")
+        validation.positive_int("kernel_size", self.kernel_size, owner=self, hint=" (odd pooling width)")
+        if self.kernel_size % 2 == 0:
+            raise CompressorError(f"SnapKV: kernel_size must be a positive odd integer, got {self.kernel_size!r}.")
+        validation.choice("pooling", self.pooling, ("avg", "max"), owner=self)
+        validation.positive_int("max_window", self.max_window, owner=self, hint=" (cap on a question-derived window)")
 
     def observation_window(self, n: int, question_length: torch.Tensor | None, batch: int) -> torch.Tensor:
         """``[B]`` number of final queries observed in each row."""

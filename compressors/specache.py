@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcomp import validation
 from kvcomp.compressor import CompressorError
 from kvcomp.kernels import quant_ref
 from kvcomp.ops import softcap, softmax, visible
@@ -79,12 +80,10 @@ class SpeCache(Retrieval):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.bits, bool) or self.bits not in SPECACHE_BITS:
-            raise CompressorError(f"bits must be one of {SPECACHE_BITS}, got {self.bits!r}.")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0:
-            raise CompressorError(f"group_size must be a positive number of tokens, got {self.group_size!r}.")
-        if self.value_group is not None and (not isinstance(self.value_group, int) or self.value_group <= 0):
-            raise CompressorError(f"value_group must be a positive number of channels or None, got {self.value_group!r}.")
+        validation.choice("bits", self.bits, SPECACHE_BITS, owner=self)
+        validation.positive_int("group_size", self.group_size, owner=self, hint=" (tokens per key group)")
+        validation.positive_int("value_group", self.value_group, none=True, owner=self,
+                                hint=" (value channels per scale; None: the whole head)")
 
     @property
     def chunk(self) -> int:  # tokens enter the low-bit copy a key group at a time

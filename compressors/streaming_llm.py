@@ -15,7 +15,8 @@ from typing import ClassVar
 
 import torch
 
-from kvcomp.compressor import Capabilities, CompressorError
+from kvcomp import validation
+from kvcomp.compressor import Capabilities
 from kvcomp.selection import TokenSelection, TokenStore
 
 
@@ -33,8 +34,7 @@ class StreamingLLM(TokenSelection):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise CompressorError(f"n_sink must be a non-negative integer, got {self.n_sink!r}.")
+        validation.non_negative_int("n_sink", self.n_sink, owner=self, hint=" (attention sinks kept)")
 
     def score(self, q, k, v, ctx):
         # q, k: [B, H, n, D] -> [B, H_kv, n]

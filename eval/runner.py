@@ -21,7 +21,10 @@ run (``compressor=None``) is its own reference and fills the cache.
 
 Resume: each record is appended to ``out_path`` and flushed as soon as it exists; a rerun skips the sample
 ids already there, so an interrupted evaluation continues where it stopped. A file written with another
-compressor, parameters, mode, model or dtype is refused (:class:`RunConfigMismatch`) rather than mixed.
+compressor, parameters, mode, model or dtype is refused (:class:`RunConfigMismatch`) rather than mixed. One
+process writes an output directory at a time (a second is refused, naming the holder, instead of appending
+every record again), and no file kvcomp writes or truncates is followed through a symbolic link
+(:mod:`kvcomp.files`).
 
 With ``batch_size > 1`` samples are generated as one left-padded batch: the timing, resident bytes,
 full bytes and ``memory_factor`` of a record are those of its batch (``batch_size`` says how many rows);
@@ -49,7 +52,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvcomp import shared_prefill
+from kvcomp import files, shared_prefill
 from kvcomp.compressor import Compressor
 from kvcomp.generation import (
     add_full_kv_bytes,
@@ -65,6 +68,7 @@ from kvcomp.generation import (
 from kvcomp.lossless import Lossless
 from kvcomp.metrics import fidelity
 from kvcomp.registry import name_of
+from kvcomp.validation import UsageError, check_context_length, positive_int
 
 RULER_DEFAULT_SAMPLES = 100
 REFERENCE_FILE = "reference.jsonl"
@@ -262,6 +266,8 @@ def load_samples(
     :func:`eval.longbench.load_task`.
     """
     family = task.split("/", 1)[0]
+    positive_int("num_samples", num_samples, none=True, owner=task, error=UsageError, hint=" (None: all)")
+    positive_int("length", length, none=True, owner=task, error=UsageError, hint=" tokens")
     if "/" not in task or family not in ("ruler", "longbench", "longbench_e"):
         raise ValueError(
             f"Unknown task {task!r}: name it 'ruler/<task>', 'longbench/<task>' or 'longbench_e/<task>'."
@@ -329,15 +335,16 @@ def _reference_key(s: Sample, model: str, dtype: str, query_aware: bool) -> str:
 def _read_jsonl(path: Path, repair: bool = False) -> list[dict]:
     """Complete JSON lines of ``path``; a partial last line (an interrupted write) is dropped, and with
     ``repair`` cut off the file so later appends start on a fresh line."""
+    if repair:  # a file this run will append to: never through a link (the repair would truncate its target)
+        files.check_not_link(path)
     if not path.exists():
         return []
-    data = path.read_bytes()
+    data = files.read_bytes(path) if repair else path.read_bytes()
     good_end = data.rfind(b"\n") + 1
     if good_end < len(data):
         warnings.warn(f"{path}: dropping an incomplete last line (interrupted write).", stacklevel=3)
         if repair:
-            with path.open("r+b") as f:
-                f.truncate(good_end)
+            files.truncate(path, good_end)
     records = []
     for lineno, line in enumerate(data[:good_end].decode().splitlines(), 1):
         if line.strip():
@@ -353,12 +360,17 @@ def load_records(path: str | os.PathLike) -> list[dict]:
     return _read_jsonl(Path(path))
 
 
+def task_records(path: str | os.PathLike, task_samples: Task) -> list[dict]:
+    """The records of ``path`` for the samples of ``task_samples`` (a resumed directory may hold more, from an
+    earlier run asked for more samples; a summary of this run describes the samples it was asked for)."""
+    ids = {s.id for s in task_samples.samples}
+    return [r for r in load_records(path) if r.get("id") in ids]
+
+
 def _append(path: Path, rows: Iterable[dict]) -> None:
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     # One write per call in append mode: concurrent writers of the sidecar do not interleave lines.
-    with path.open("a", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
+    files.append_text(path, text)
 
 
 def _check_config(path: Path, existing: list[dict], config: dict[str, Any]) -> None:
@@ -512,24 +524,30 @@ def run(
     out_path = Path(out_path) if out_path is not None else None
     config = _run_config(model, compressor, query_aware, model_name, lossless)
 
-    done: set[str] = set()
-    if out_path is not None:
-        existing = _read_jsonl(out_path, repair=True)
-        _check_config(out_path, existing, config)
-        done = {r["id"] for r in existing}
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-
-    if reference is None:
-        references = None
-    elif reference == "auto":
-        references = ReferenceStore(out_path.parent / REFERENCE_FILE if out_path is not None else None)
-    else:
-        references = ReferenceStore(Path(reference))
-
     _check_context(model, task_samples)
     ids = [s.id for s in task_samples.samples]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{task_samples.name}: sample ids are not unique.")
+
+    done: set[str] = set()
+    # One process per run directory, held until the records are written (the returned iterator is exhausted,
+    # closed or dropped): a second one would append every record again.
+    lock = None if out_path is None else files.lock_run_dir(out_path.parent, out_path.name)
+    try:
+        if out_path is not None:
+            existing = _read_jsonl(out_path, repair=True)
+            _check_config(out_path, existing, config)
+            done = {r["id"] for r in existing}
+        if reference is None:
+            references = None
+        elif reference == "auto":
+            references = ReferenceStore(out_path.parent / REFERENCE_FILE if out_path is not None else None)
+        else:
+            references = ReferenceStore(Path(reference))
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     todo = [s for s in task_samples.samples if s.id not in done]
     stop_ids = stop_token_ids(model, tokenizer)
     mode = "query_aware" if query_aware else "query_agnostic"
@@ -549,6 +567,7 @@ def run(
         mode,
         progress,
         lossless,
+        lock,
     )
 
 
@@ -566,14 +585,12 @@ def _run_config(model, compressor: Compressor | None, query_aware: bool, model_n
 
 
 def _check_context(model, task_samples: Task) -> None:
-    context_limit = getattr(model.config, "max_position_embeddings", None)
-    if context_limit:
-        needed = max((s.length_tokens + s.max_new_tokens for s in task_samples.samples), default=0)
-        if needed > context_limit:
-            raise ValueError(
-                f"{task_samples.name}: samples need up to {needed} tokens (prompt + generation) but the model's "
-                f"context is {context_limit} tokens; pass a smaller length= or use a model with a longer context."
-            )
+    if not task_samples.samples:
+        raise UsageError(f"{task_samples.name}: the task has no samples (num_samples={task_samples.config.get('num_samples')!r}"
+                         "); ask for at least one.")
+    needed = max(s.length_tokens + s.max_new_tokens for s in task_samples.samples)
+    check_context_length(model, needed, f"{task_samples.name}: samples",
+                         "pass a smaller length= or use a model with a longer context.")
 
 
 def _produce(
@@ -591,6 +608,7 @@ def _produce(
     mode: str,
     progress: bool,
     lossless: Lossless | None = None,
+    lock: files.RunLock | None = None,
 ) -> Iterator[dict]:
     bar = tqdm(
         total=len(task_samples.samples),
@@ -610,6 +628,8 @@ def _produce(
                 yield record
     finally:
         bar.close()
+        if lock is not None:
+            lock.release()
 
 
 def run_grid(
@@ -628,10 +648,10 @@ def run_grid(
     the full KV whatever the compressor, so each compressor only adds its compression and decoding).
 
     Writes ``out_dir/<label>/results.jsonl`` (the records of :func:`run`, plus ``compress_seconds`` and
-    ``shared_prefill_seconds``) and ``summary.json`` per label, the layout ``kvcomp report`` reads, and the
-    uncompressed generations to ``out_dir/reference.jsonl`` for fidelity. Resumable: samples whose records
-    exist for a label are not redone. Returns the summary per label. Batch size 1.
-    """
+    ``shared_prefill_seconds``) and ``summary.json`` per label (over the samples of ``task_samples``), the
+    layout ``kvcomp report`` reads, and the uncompressed generations to ``out_dir/reference.jsonl`` for fidelity.
+    Resumable: samples whose records exist for a label are not redone. Returns the summary per label. Batch
+    size 1. One process at a time per ``out_dir`` (:func:`kvcomp.files.lock_run_dir`)."""
     if not isinstance(query_aware, bool):
         raise TypeError(f"query_aware must be True or False, got {query_aware!r}.")
     out_dir = Path(out_dir)
@@ -640,14 +660,21 @@ def run_grid(
         if compressor is not None:
             compressor.check(1)
     _check_context(model, task_samples)
+    # One process per output directory: a second one would append every record again.
+    with files.lock_run_dir(out_dir, f"{task_samples.name} ({len(resolved)} configurations)"):
+        return _run_grid(model, tokenizer, task_samples, resolved, query_aware, out_dir, model_name, progress)
+
+
+def _run_grid(model, tokenizer, task_samples: Task, resolved: dict[str, Compressor | None], query_aware: bool,
+              out_dir: Path, model_name: str | None, progress: bool) -> dict[str, dict[str, Any]]:
     configs, paths, done = {}, {}, {}
     for label, compressor in resolved.items():
         configs[label] = _run_config(model, compressor, query_aware, model_name)
-        paths[label] = out_dir / label / "results.jsonl"
+        paths[label] = files.make_dirs(out_dir / label, out_dir) / "results.jsonl"
+        files.check_not_link(paths[label].parent / "summary.json")  # written last: refuse before the work
         existing = _read_jsonl(paths[label], repair=True)
         _check_config(paths[label], existing, configs[label])
         done[label] = {r["id"] for r in existing}
-        paths[label].parent.mkdir(parents=True, exist_ok=True)
     references = ReferenceStore(out_dir / REFERENCE_FILE)
     reference_model = model_name or model_id(model)
     dtype = str(model.dtype).removeprefix("torch.")
@@ -686,9 +713,10 @@ def run_grid(
 
     summaries = {}
     for label, path in paths.items():
-        summaries[label] = {**summarize(load_records(path)), "task": task_samples.name,
+        # The samples of this task only: a directory may hold more, from an earlier, larger run.
+        summaries[label] = {**summarize(task_records(path, task_samples)), "task": task_samples.name,
                             "length": task_samples.config.get("length"), "run_dir": str(path.parent)}
-        (path.parent / "summary.json").write_text(json.dumps(_jsonable(summaries[label]), indent=2) + "\n")
+        files.write_text(path.parent / "summary.json", json.dumps(_jsonable(summaries[label]), indent=2) + "\n")
     return summaries
 
 

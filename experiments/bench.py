@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from kvcomp import files
+
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192)
 
 
@@ -351,15 +353,15 @@ def write_outputs(rows: list[dict], meta: dict, out: Path) -> dict[str, Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     keys = list(dict.fromkeys(k for row in rows for k in row))
-    with open(out / "bench.csv", "w", newline="") as f:
+    with files.open_output(out / "bench.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows(rows)
-    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    files = {"csv": out / "bench.csv", "json": out / "bench.json"}
+    files.write_text(out / "bench.json", json.dumps({"meta": meta, "rows": rows}, indent=2))
+    written = {"csv": out / "bench.csv", "json": out / "bench.json"}
     if rows:
-        files["plot"] = plot(rows, out / "bench.png", meta)
-    return files
+        written["plot"] = plot(rows, out / "bench.png", meta)
+    return written
 
 
 def plot(rows: list[dict], path: Path, meta: dict | None = None) -> Path:
@@ -389,7 +391,8 @@ def plot(rows: list[dict], path: Path, meta: dict | None = None) -> Path:
         fig.suptitle(f"copy bandwidth {meta['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s, {meta['threads']} threads, "
                      f"dtype {meta['config']['dtype']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with files.open_output(path, "wb") as f:
+        fig.savefig(f, dpi=110, format="png")
     return path
 
 

@@ -36,6 +36,23 @@ def _parse_param(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _read_text(path: str, option: str) -> str:
+    """The UTF-8 text of a file the user named with ``option``; a clear error for what it cannot be."""
+    from kvcomp.validation import UsageError
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{option} {path}: no such file.") from None
+    except IsADirectoryError:
+        raise UsageError(f"{option} {path} is a directory; give a text file.") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{option} {path} is not UTF-8 text ({err.reason} at byte {err.start}); convert it first, "
+                         f"e.g. iconv -f latin1 -t utf-8 {path} > converted.txt") from None
+    except OSError as err:
+        raise UsageError(f"{option} {path}: cannot read it ({err.strerror}).") from None
+
+
 def _load(args):
     from kvcomp import load_model
 
@@ -45,7 +62,7 @@ def _load(args):
 def _generate(args) -> int:
     from kvcomp import generate
 
-    context = Path(args.context_file).read_text() if args.context_file else (args.context or "")
+    context = _read_text(args.context_file, "--context-file") if args.context_file else (args.context or "")
     if not context:
         raise SystemExit("kvcomp generate: give the context with --context-file FILE or --context TEXT.")
     params = dict(_parse_param(p) for p in args.param)
@@ -132,7 +149,7 @@ def _calibrate(args) -> int:
 
     from kvcomp import kvtc_calibration as calibration
 
-    text = Path(args.data).read_text() if args.data else None
+    text = _read_text(args.data, "--data") if args.data else None
     model, tokenizer = _load(args)
     out = args.out or calibration.default_artifact_path(model)
     t0 = time.perf_counter()
@@ -248,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvcomp.compressor import CompressorError
+    from kvcomp.validation import CLEAR_ERRORS
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # argparse would eat Hydra's own flags (-m, --cfg, --help)
@@ -256,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except CompressorError as err:
+    except CLEAR_ERRORS as err:  # a setting, input or resource problem whose message says how to fix it
         print(f"kvcomp: {err}", file=sys.stderr)
         return 2
 

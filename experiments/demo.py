@@ -13,7 +13,9 @@ import csv
 from pathlib import Path
 
 from eval.runner import load_samples, run_grid
+from kvcomp import files
 from kvcomp.registry import create
+from kvcomp.validation import UsageError, positive_int
 
 COMPRESSORS = ("streaming_llm", "h2o", "snapkv")
 MODES = {"agnostic": False, "aware": True}
@@ -24,7 +26,17 @@ COLUMNS = ["compressor", "ratio", "mode", "accuracy", "memory_factor", "exact_ma
 def run_demo(model, tokenizer, *, samples: int = 3, length: int = 2048, ratios=(0.5, 0.75),
              compressors=COMPRESSORS, modes=("agnostic", "aware"), out_dir: str | Path = "runs/demo",
              max_new_tokens: int = 16, task: str = "ruler/niah_single_1", progress: bool = True) -> list[dict]:
+    for name, value in (("samples", samples), ("length", length), ("max_new_tokens", max_new_tokens)):
+        positive_int(name, value, owner="kvcomp demo", error=UsageError)
     out_dir = Path(out_dir)
+    with files.lock_run_dir(out_dir, "kvcomp demo"):
+        return _run_demo(model, tokenizer, samples, length, ratios, compressors, modes, out_dir, max_new_tokens,
+                         task, progress)
+
+
+def _run_demo(model, tokenizer, samples, length, ratios, compressors, modes, out_dir: Path, max_new_tokens, task,
+              progress) -> list[dict]:
+    files.check_not_link(out_dir / f"summary-L{length}.csv")  # written last: refuse before the work
     bench = load_samples(task, tokenizer, length=length, num_samples=samples, seed=0,
                          tokens_to_generate=max_new_tokens)
     configs = [(None, 0.0)] + [(c, r) for c in compressors for r in ratios]
@@ -32,7 +44,7 @@ def run_demo(model, tokenizer, *, samples: int = 3, length: int = 2048, ratios=(
     rows = []
     for mode in modes:
         summaries = run_grid(model, tokenizer, bench, grid, query_aware=MODES[mode],
-                             out_dir=out_dir / f"L{length}" / mode, progress=progress)
+                             out_dir=files.make_dirs(out_dir / f"L{length}" / mode, out_dir), progress=progress)
         for (name, ratio), s in zip(configs, summaries.values()):
             rows.append({
                 "compressor": name or "none", "ratio": ratio, "mode": s["mode"],
@@ -40,8 +52,7 @@ def run_demo(model, tokenizer, *, samples: int = 3, length: int = 2048, ratios=(
                 "exact_match": s["exact_match_rate"], "first_divergence": s["mean_first_divergence"],
                 "prefill_s": s["prefill_seconds"], "decode_s": s["decode_seconds"], "n": s["n"],
             })
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / f"summary-L{length}.csv", "w", newline="") as f:
+    with files.open_output(out_dir / f"summary-L{length}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)

@@ -23,7 +23,9 @@ from eval.ruler import TASKS as RULER_TASKS
 from eval.ruler import TaskDataUnavailable
 from eval.runner import load_samples, run_grid
 from experiments.report import make_report
+from kvcomp import files
 from kvcomp.registry import create
+from kvcomp.validation import UsageError, positive_int
 
 MODES = {"agnostic": False, "aware": True}
 # RULER's tasks that need no external data (qa_1/qa_2 read SQuAD/HotpotQA).
@@ -34,10 +36,20 @@ def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ra
               params: dict | None = None, max_new_tokens: int | None = None, seed: int = 0,
               progress: bool = True) -> dict[str, Path]:
     """Run the grid into ``out_dir`` and write the report; returns the report's files."""
+    positive_int("samples", samples, owner="kvcomp grid", error=UsageError)
+    for length in lengths:
+        positive_int("length", length, owner="kvcomp grid", error=UsageError)
     out_dir = Path(out_dir)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"Unknown mode(s) {unknown}; use {list(MODES)}.")
+    with files.lock_run_dir(out_dir, "kvcomp grid"):
+        return _run_table(model, tokenizer, tasks, lengths, samples, compressors, ratios, modes, out_dir, params,
+                          max_new_tokens, seed, progress)
+
+
+def _run_table(model, tokenizer, tasks, lengths, samples, compressors, ratios, modes, out_dir: Path, params,
+               max_new_tokens, seed, progress) -> dict[str, Path]:
     grid = {"none": None}
     for name in compressors:
         for ratio in ratios:
@@ -52,11 +64,11 @@ def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ra
                 print(f"kvcomp grid: skipping {name}: {err}")
                 continue
             for mode in modes:
-                run_grid(model, tokenizer, bench, grid, query_aware=MODES[mode],
-                         out_dir=out_dir / name.replace("/", "_") / f"L{length}" / mode, progress=progress)
-    files = make_report([out_dir], out_dir / "report")
-    files.update(score_table(out_dir / "report"))
-    return files
+                run_dir = files.make_dirs(out_dir / name.replace("/", "_") / f"L{length}" / mode, out_dir)
+                run_grid(model, tokenizer, bench, grid, query_aware=MODES[mode], out_dir=run_dir, progress=progress)
+    written = make_report([out_dir], files.make_dirs(out_dir / "report", out_dir))
+    written.update(score_table(out_dir / "report"))
+    return written
 
 
 def score_table(report_dir: Path) -> dict[str, Path]:
@@ -75,11 +87,14 @@ def score_table(report_dir: Path) -> dict[str, Path]:
     scores.loc[("mean", ""), :] = scores.mean()
     paths = {"scores_csv": report_dir / "scores.csv", "scores_md": report_dir / "scores.md",
              "exact_csv": report_dir / "exact.csv"}
-    scores.round(1).to_csv(paths["scores_csv"])
-    exact.round(3).to_csv(paths["exact_csv"])
-    paths["scores_md"].write_text(
+    with files.open_output(paths["scores_csv"], "w", newline="") as f:
+        scores.round(1).to_csv(f)
+    with files.open_output(paths["exact_csv"], "w", newline="") as f:
+        exact.round(3).to_csv(f)
+    files.write_text(
+        paths["scores_md"],
         "Score (x100) [measured memory_factor]; 'mean' row: mean score over tasks and lengths.\n\n"
-        + _markdown(cells) + "\n" + _markdown(scores.round(1))
+        + _markdown(cells) + "\n" + _markdown(scores.round(1)),
     )
     return paths
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import pandas as pd
 
+from kvcomp import files
+
 COLUMNS = [
     "task", "length", "compressor", "compression_ratio", "budget", "mode", "label", "n", "score",
     "memory_factor", "exact_match_rate", "mean_first_divergence", "agreement", "kept_tokens",
@@ -180,7 +182,8 @@ def _finish_axes(ax, title: str, xlabel: str, ylabel: str) -> None:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with files.open_output(path, "wb") as f:
+        fig.savefig(f, dpi=120, format="png")
     return path
 
 
@@ -254,10 +257,11 @@ def make_report(paths: Sequence[str | Path], out_dir: str | Path) -> dict[str, P
         raise FileNotFoundError(f"No run directories (summary.json) under {', '.join(map(str, paths))}.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = {"csv": out / "report.csv", "markdown": out / "report.md"}
-    df.to_csv(files["csv"], index=False)
-    files["markdown"].write_text(to_markdown(df))
-    files["score_vs_memory"] = plot_score_vs_memory(df, out / "score_vs_memory.png")
-    files["fidelity_vs_memory"] = plot_fidelity_vs_memory(df, out / "fidelity_vs_memory.png")
-    files["time_per_sample"] = plot_time_per_sample(df, out / "time_per_sample.png")
-    return files
+    written = {"csv": out / "report.csv", "markdown": out / "report.md"}
+    with files.open_output(written["csv"], "w", newline="") as f:
+        df.to_csv(f, index=False)
+    files.write_text(written["markdown"], to_markdown(df))
+    written["score_vs_memory"] = plot_score_vs_memory(df, out / "score_vs_memory.png")
+    written["fidelity_vs_memory"] = plot_fidelity_vs_memory(df, out / "fidelity_vs_memory.png")
+    written["time_per_sample"] = plot_time_per_sample(df, out / "time_per_sample.png")
+    return written

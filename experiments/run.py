@@ -34,6 +34,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.schema import register_configs
+from kvcomp import files
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 PACKAGES = ("kvcomp", "torch", "transformers", "hydra-core", "omegaconf", "numpy", "wandb")
@@ -90,7 +91,7 @@ def machine_info(device: str) -> dict[str, Any]:
 @contextmanager
 def _file_lock(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    with files.open_output(path, "a") as f:  # not "w": never truncate, nor follow a link
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -127,13 +128,23 @@ def build_compressor(cfg: DictConfig):
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run ``cfg`` into ``run_dir``; returns the summary. Usable without Hydra's app (give a composed cfg)."""
-    from eval.runner import load_records, load_samples, run, summarize
-    from kvcomp import load_model
+    from kvcomp.validation import UsageError, positive_int
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     compressor = build_compressor(cfg)  # fails before the model loads
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    positive_int("task.num_samples", cfg.task.num_samples, none=True, error=UsageError, hint=" (None: all)")
+    # One process per run directory (a second would append every record again); run() below re-enters it.
+    with files.lock_run_dir(run_dir, "experiments.run"):
+        return _evaluate(cfg, run_dir, compressor, started)
+
+
+def _evaluate(cfg: DictConfig, run_dir: Path, compressor, started: float) -> dict[str, Any]:
+    from eval.runner import load_samples, run, summarize, task_records
+    from kvcomp import load_model
+
+    for name in ("summary.json", "run_meta.json"):  # written last: refuse a link before the work
+        files.check_not_link(run_dir / name)
+    files.write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     ref_path = reference_path(cfg, run_dir)
     meta = {
         "git": git_state(),
@@ -178,7 +189,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     for _ in run(model, tokenizer, task, compressor, out_path=out_path, reference=ref_path, lossless=lossless,
                  **common):
         pass
-    records = load_records(out_path)
+    records = task_records(out_path, task)  # the samples asked for (the directory may hold more)
     summary = {**summarize(records), "task": t.name, "length": t.length, "run_dir": str(run_dir)}
     _write_json(run_dir / "summary.json", summary)
 
@@ -236,13 +247,18 @@ def _overrides() -> list[str]:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    files.write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> dict[str, Any]:
+    from kvcomp.validation import CLEAR_ERRORS
+
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    summary = evaluate(cfg, run_dir)
+    try:
+        summary = evaluate(cfg, run_dir)
+    except CLEAR_ERRORS as err:  # its message says what to change: one line, not a traceback
+        raise SystemExit(f"experiments.run: {err}") from None
     print(
         f"{cfg.task.name} {summary['compressor']['name']} {summary['mode']}: score {summary['score']:.1f}, "
         f"memory_factor {summary['memory_factor']:.2f}, exact_match_rate {summary['exact_match_rate']} "

@@ -221,13 +221,6 @@ def clone_state(state: Any) -> Any:
     return state
 
 
-def _check_ratio(ratio: float, name: str = "compression_ratio") -> None:
-    if not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) < 1.0:
-        raise CompressorError(
-            f"{name} must be in [0, 1): the fraction of tokens removed (0.75 keeps a quarter); got {ratio!r}."
-        )
-
-
 @dataclass
 class Compose(Compressor):
     """Apply compressors in order: each later one compresses what the earlier ones kept at prefill.

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvcomp import validation
 from kvcomp.attention import check_supported, install
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Compressor
@@ -266,17 +267,22 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
     ``seed``). Statistics land in ``GenerationResult.lossless``.
     """
     check_supported(model)  # an unsupported model family is refused before anything else
+    validation.positive_int("max_new_tokens", max_new_tokens, owner="generate", error=validation.UsageError)
     compressor = resolve_compressor(compressor, **compressor_params)
     config = lossless_config(lossless, gamma)
     if config is None and (do_sample or gamma is not None):
         raise ValueError("gamma and do_sample are lossless-decoding options: pass lossless=True as well.")
     sampling = Sampling(temperature, top_k, top_p, seed) if do_sample else None
+    if not do_sample:
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        validation.warn_ignored_sampling("generate", **{k: v for k, v in given.items() if v not in (1.0, 0)})
     contexts = [context] if isinstance(context, str) else list(context)
     questions = [question] * len(contexts) if isinstance(question, str) else list(question)
     if len(questions) != len(contexts):
         raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions: pass one question per context.")
     parts = [split_prompt(tokenizer, c, q, answer_prefix, chat_template, system_prompt)
              for c, q in zip(contexts, questions)]
+    validation.check_prompts(model, [len(p.context_ids) + len(p.question_ids) for p in parts], max_new_tokens)
     if compressor is not None:
         compressor.check(len(parts))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -55,7 +55,12 @@ from kvcomp.transform_coding import (
 )
 
 FORMAT = "kvcomp-kvtc"
-VERSION = 2  # 2: several quantizer steps per width (option tables); 1: one step per width
+# 3: a sha256 of the tensors in the metadata (checked on load); 2: the same tables without it (still read, with a
+# warning); 1: one quantizer step per width (refused).
+VERSION = 3
+READABLE_VERSIONS = ("2", "3")
+REQUIRED_TENSORS = ("basis", "mean", "variance", "step", "err", "rate", "inv_freq", "probe", "option_bits",
+                    "option_scale")
 _CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rope_parameters", "rope_scaling",
                 "partial_rotary_factor", "max_position_embeddings")
@@ -79,7 +84,7 @@ def model_identity(model) -> dict:
         "model": str(getattr(cfg, "name_or_path", "") or getattr(model, "name_or_path", "") or cfg.model_type),
         "config_hash": hashlib.sha256(key.encode()).hexdigest()[:16],
         "num_layers": int(cfg.num_hidden_layers),
-        "num_kv_heads": int(cfg.num_key_value_heads),
+        "num_kv_heads": int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
         "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
     }
 
@@ -154,6 +159,9 @@ def collect(model, tokenizer, text: str, tokens: int, seq_len: int, n_sink: int)
         keys.append(undo_rope(k, pos, inv_freq, scaling).transpose(1, 2))
         values.append(v.transpose(1, 2))
         taken += chunk.numel()
+    if not keys:
+        raise CompressorError(f"KVTC calibration needs more than the n_sink={n_sink} tokens per sequence it skips; "
+                              f"got tokens={tokens}, seq_len={seq_len}. Give more tokens (--tokens).")
     return torch.cat(keys, 1), torch.cat(values, 1)
 
 
@@ -209,19 +217,44 @@ def calibrate(model, tokenizer, out: str | os.PathLike, text: str | None = None,
     """Fit and save a KVTC artifact for ``model``; returns its path."""
     from safetensors.torch import save_file
 
+    from kvcomp import validation
+
+    validation.positive_int("tokens", tokens, owner="KVTC calibration", hint=" (calibration tokens, --tokens)")
+    validation.non_negative_int("n_sink", n_sink, owner="KVTC calibration")
+    validation.integer("seq_len", seq_len, n_sink + 1, owner="KVTC calibration",
+                       hint=" (tokens per sequence, --seq-len; more than n_sink)")
     text = text if text is not None else default_text(num_words=tokens * 2)
     keys, values = collect(model, tokenizer, text, tokens, seq_len, n_sink)
+    head_dim = keys.shape[-1]
+    if keys.shape[1] < head_dim:  # a full-rank PCA of a D-dimensional head needs D samples
+        raise CompressorError(
+            f"KVTC calibration got {keys.shape[1]} tokens past the {n_sink} sinks of each sequence; a {head_dim}-"
+            f"dimensional head needs at least {head_dim}. Give more tokens (--tokens) or longer sequences (--seq-len)."
+        )
     tensors = fit(keys, values)
     inv_freq, scaling = rotary(model)
     tensors.update(inv_freq=inv_freq, probe=weight_probe(model), option_bits=torch.tensor(OPTION_BITS),
                    option_scale=torch.tensor(OPTION_SCALE))
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
     meta = {"format": FORMAT, "version": str(VERSION), **{k: str(v) for k, v in model_identity(model).items()},
             "attention_scaling": repr(scaling), "tokens": str(keys.shape[1]), "seq_len": str(seq_len),
-            "n_sink": str(n_sink), "data": source, "bits": ",".join(map(str, BITS))}
+            "n_sink": str(n_sink), "data": source, "bits": ",".join(map(str, BITS)),
+            "tensors_sha256": tensors_digest(tensors)}
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata=meta)
+    save_file(tensors, str(out), metadata=meta)
     return out
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' names, dtypes, shapes and bytes, in name order (what ``calibrate`` records and
+    :func:`load_artifact` checks: flipped bytes in a table decode garbage, silently, otherwise)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 # -- loading -------------------------------------------------------------------------------------------------
@@ -241,7 +274,7 @@ class Calibration:
         try:
             return self.__dict__["tensors"][name]
         except KeyError:
-            raise AttributeError(name) from None
+            raise AttributeError(f"the KVTC artifact {self.__dict__.get('path')} has no tensor {name!r}") from None
 
     @property
     def attention_scaling(self) -> float:
@@ -277,23 +310,64 @@ def is_current(path: str | os.PathLike) -> bool:
     return meta.get("format") == FORMAT and meta.get("version") == str(VERSION)
 
 
+def _check_tables(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """Every table present, with the shapes the metadata implies, matching the recorded digest, and finite."""
+    broken = f"Recalibrate with: {CALIBRATE_COMMAND}"
+    missing = [name for name in REQUIRED_TENSORS if name not in tensors]
+    if missing:
+        raise CompressorError(f"The KVTC artifact {path} lacks the tensor{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(repr, missing))}: it is damaged or incomplete. {broken}")
+    try:
+        dims = (int(meta["num_layers"]), int(meta["num_kv_heads"]), 2)
+        d, options = int(meta["head_dim"]), tensors["option_bits"].numel()
+    except (KeyError, ValueError) as err:
+        raise CompressorError(f"The KVTC artifact {path} has damaged metadata ({err}). {broken}") from None
+    shapes = {"basis": (*dims, d, d), "mean": (*dims, d), "variance": (*dims, d), "step": (*dims, options - 1, d),
+              "err": (*dims, options, d), "rate": (*dims, options, d), "option_scale": (options,)}
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise CompressorError(f"The KVTC artifact {path} is damaged: tensor {name!r} has shape "
+                                  f"{tuple(tensors[name].shape)}, its metadata says {shape}. {broken}")
+    recorded = meta.get("tensors_sha256")
+    if recorded is None and meta.get("version") == str(VERSION):
+        raise CompressorError(f"The KVTC artifact {path} has lost the digest of its tables from its metadata. {broken}")
+    if recorded is not None and recorded != tensors_digest(tensors):
+        raise CompressorError(f"The KVTC artifact {path} is corrupted: its tensors do not match the sha256 recorded "
+                              f"when it was calibrated (changed bytes decode garbage). {broken}")
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CompressorError(f"The KVTC artifact {path} has {bad} non-finite value{'s' if bad > 1 else ''} "
+                                  f"(NaN or inf) in tensor {name!r}. {broken}")
+
+
 def load_artifact(path: str | os.PathLike, model=None) -> Calibration:
     """Read a KVTC artifact (checked against ``model`` when given)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path).expanduser()
     if not path.is_file():
         raise CompressorError(f"No KVTC artifact at {path}. Create one with: {CALIBRATE_COMMAND}")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise CompressorError(f"{path} is not a KVTC artifact (format {meta.get('format')!r}).")
-        if meta.get("version") != str(VERSION):
-            raise CompressorError(
-                f"{path} is a version {meta.get('version')} KVTC artifact; this kvcomp reads version {VERSION}. "
-                f"Recalibrate with: {CALIBRATE_COMMAND}"
-            )
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise CompressorError(f"{path} is not a KVTC artifact (format {meta.get('format')!r}).")
+            if meta.get("version") not in READABLE_VERSIONS:
+                raise CompressorError(
+                    f"{path} is a version {meta.get('version')} KVTC artifact; this kvcomp reads versions "
+                    f"{', '.join(READABLE_VERSIONS)}. Recalibrate with: {CALIBRATE_COMMAND}"
+                )
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise CompressorError(f"Cannot read the KVTC artifact {path} ({err}); it is damaged or not a safetensors "
+                              f"file. Recalibrate with: {CALIBRATE_COMMAND}") from None
+    _check_tables(path, tensors, meta)
+    if "tensors_sha256" not in meta:
+        import warnings
+
+        warnings.warn(f"The KVTC artifact {path} (version {meta.get('version')}) carries no digest of its tables, so "
+                      f"damage to them cannot be detected. Recalibrate with: {CALIBRATE_COMMAND}", stacklevel=2)
     cal = Calibration(tensors, meta, str(path), hashlib.sha256(path.read_bytes()).hexdigest()[:16])
     if model is not None:
         cal.check_model(model)

@@ -51,9 +51,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvcomp import validation
 from kvcomp.attention import install
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Compressor, CompressorError
+from kvcomp.tiers import TIER_KINDS
 
 
 @dataclass
@@ -74,14 +76,12 @@ class Lossless:
     tier_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
-            raise CompressorError(
-                f"gamma must be a positive number of drafted tokens per round, got {self.gamma!r}."
-            )
-        if not isinstance(self.max_gamma, int) or self.max_gamma < self.gamma:
-            raise CompressorError(
-                f"max_gamma ({self.max_gamma!r}) must be an integer >= gamma ({self.gamma})."
-            )
+        validation.positive_int("gamma", self.gamma, high=1024, owner=self, hint=" (drafted tokens per round)")
+        validation.integer("max_gamma", self.max_gamma, self.gamma, 1024, owner=self, hint=" (>= gamma)")
+        validation.boolean("adaptive", self.adaptive, owner=self)
+        validation.choice("tier", self.tier, ("resident", *TIER_KINDS), owner=self)
+        if not isinstance(self.tier_options, dict):
+            raise CompressorError(f"Lossless: tier_options must be a dict of tier settings; got {self.tier_options!r}.")
 
 
 @dataclass
@@ -94,12 +94,11 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(
-                f"temperature must be > 0 (use greedy decoding for 0), got {self.temperature!r}."
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+        validation.finite_float("temperature", self.temperature, 0.0, low_open=True, owner=self,
+                                hint=" (use greedy decoding for 0)")
+        validation.non_negative_int("top_k", self.top_k, high=None, owner=self, hint=" (0: no top-k)")
+        validation.fraction("top_p", self.top_p, low_open=True, owner=self)
+        validation.non_negative_int("seed", self.seed, high=2**63 - 1, owner=self)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., V]`` logits -> probabilities (float64, so p/q ratios are not rounding noise)."""
@@ -807,6 +806,7 @@ def custom_generate(
             f"Lossless decoding applies temperature/top-k/top-p only; got logits processors {others}."
         )
     cfg = generation_config
+    validation.check_greedy_or_sampled(cfg, model.generation_config, "custom_generate (lossless decoding)")
     config = lossless or Lossless()
     if gamma is not None:
         config = Lossless(**{**config.__dict__, "gamma": gamma, "max_gamma": max(gamma, config.max_gamma)})

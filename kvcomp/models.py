@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from kvcomp.validation import UsageError
+
 
 @dataclass(frozen=True)
 class EmbeddedModel:
@@ -58,6 +60,43 @@ _CACHE_FORMAT = 1
 
 class EmbeddedModelMissing(RuntimeError):
     pass
+
+
+class ModelNotFound(UsageError):
+    """A model name that is no local path, no kvcomp name and not in the Hugging Face cache."""
+
+
+KNOWN_NAMES = ("embedded", *EMBEDDED_MODELS, TINY_NAME)
+
+
+def _in_hub_cache(name: str) -> bool:
+    """Whether ``name`` is a Hub id whose files are in the local Hugging Face cache (no network access)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repo id (HFValidationError)
+        return False
+
+
+def check_model_name(name: str) -> None:
+    """Raise :class:`ModelNotFound` unless ``name`` is a local path or a Hub id the user already has.
+
+    kvcomp never downloads at run time (a typo would otherwise turn into retries against the Hub)."""
+    if Path(name).expanduser().exists() or _in_hub_cache(name):
+        return
+    import difflib
+
+    from huggingface_hub import constants
+
+    close = difflib.get_close_matches(name.lower(), KNOWN_NAMES, n=1, cutoff=0.5)
+    hint = f"Did you mean {close[0]!r}? " if close else ""
+    raise ModelNotFound(
+        f"No model {name!r}: it is not a local path, not one of kvcomp's names "
+        f"({', '.join(map(repr, KNOWN_NAMES))}) and not in the Hugging Face cache ({constants.HF_HUB_CACHE}). "
+        f"{hint}kvcomp does not download models at run time; to use a Hub model, download it on purpose first "
+        f"(`hf download {name}`, or `huggingface-cli download {name}`) and pass the same id again."
+    )
 
 
 def cache_dir() -> Path:
@@ -200,6 +239,7 @@ def load_model(name: str | None = None, dtype: torch.dtype | str = torch.float32
         if tokenizer_only:
             return None, tokenizer
     else:
+        check_model_name(name)
         tokenizer = AutoTokenizer.from_pretrained(name)
         if tokenizer_only:
             return None, tokenizer

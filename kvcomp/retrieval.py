@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from kvcomp import validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext
 from kvcomp.ops import dense_attention
 from kvcomp.tiers import TIER_KINDS, FetchRequest, Prefetcher, Tier, make_tier
@@ -126,22 +127,18 @@ class Retrieval(Compressor):
     def __post_init__(self) -> None:
         if self.budget_fraction is None and self.top_k is None:
             raise CompressorError("Set budget_fraction (fast-tier bytes / full KV bytes) or top_k (units per head).")
-        if self.budget_fraction is not None and not (
-            isinstance(self.budget_fraction, (int, float)) and self.budget_fraction > 0
-        ):
-            raise CompressorError(f"budget_fraction must be a positive fraction of the full KV, got {self.budget_fraction!r}.")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0):
-            raise CompressorError(f"top_k must be a non-negative number of units per KV head, got {self.top_k!r}.")
-        for name in ("n_sink", "window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise CompressorError(f"{name} must be a non-negative number of tokens, got {value!r}.")
-        if self.tier not in ("auto", *TIER_KINDS):
-            raise CompressorError(f"tier must be 'auto' or one of {', '.join(TIER_KINDS)}; got {self.tier!r}.")
-        if self.correction not in CORRECTIONS:
-            raise CompressorError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}.")
-        if not isinstance(self.tau, (int, float)) or not -1.0 <= self.tau <= 1.0:
-            raise CompressorError(f"tau must be a cosine similarity in [-1, 1], got {self.tau!r}.")
+        # Above 1 the fast tier would hold more than the full KV (memory_factor below 1, silently).
+        validation.fraction("budget_fraction", self.budget_fraction, low_open=True, none=True, owner=self,
+                            hint=" (fast-tier bytes / full-KV bytes)")
+        validation.non_negative_int("top_k", self.top_k, none=True, owner=self, hint=" (units per KV head)")
+        validation.non_negative_int("n_sink", self.n_sink, owner=self)
+        validation.non_negative_int("window", self.window, owner=self)
+        validation.choice("tier", self.tier, ("auto", *TIER_KINDS), owner=self)
+        validation.boolean("speculative", self.speculative, owner=self)
+        validation.boolean("overlap", self.overlap, owner=self)
+        validation.finite_float("tau", self.tau, -1.0, 1.0, owner=self, hint=" (a cosine similarity)")
+        validation.choice("correction", self.correction, CORRECTIONS, owner=self)
+        validation.path_or_none("offload_dir", self.offload_dir, owner=self)
 
     # -- what a method defines -----------------------------------------------------------------------------
     chunk: ClassVar[int] = 32  # tokens summarized at a time (overridden by a property where it is a field)

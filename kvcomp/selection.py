@@ -22,7 +22,8 @@ from typing import ClassVar
 
 import torch
 
-from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext, _check_ratio
+from kvcomp import validation
+from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext
 from kvcomp.ops import horizon
 
 
@@ -139,9 +140,9 @@ class TokenSelection(Compressor):
     sliding_layers: ClassVar[str] = "compress"
 
     def __post_init__(self) -> None:
-        _check_ratio(self.compression_ratio)
-        if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
-            raise CompressorError(f"budget must be a positive number of tokens per KV head, got {self.budget!r}.")
+        validation.fraction("compression_ratio", self.compression_ratio, high_open=True, owner=self,
+                            hint=" (the fraction of tokens removed; 0.75 keeps a quarter)")
+        validation.positive_int("budget", self.budget, none=True, owner=self, hint=" (tokens kept per KV head)")
 
     # -- budgets -------------------------------------------------------------------------------------------
     def kept_tokens(self, seen: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,21 @@ appended and deleted by ``free``/``close``, when the tier is garbage-collected, 
 also a context manager). ``make_tier("ram" | "host" | "disk")`` builds one. Returned tensors are fresh copies on
 the tier's ``device`` (the compute device), never views of the storage, so a later write cannot change them.
 
+Where the disk tier's bytes go, and what they are: ``<root>/kvcomp-tier-<pid>-<random>/layer<i>.kv`` with
+``<root>`` the ``directory`` given (``offload_dir=`` of FreeKV/SpeCache, ``tier_options`` of lossless decoding),
+else ``$KVCOMP_OFFLOAD_DIR``, else the system temporary directory. The files hold the full K/V **in plaintext**
+(unencrypted, at full precision: enough to recover much of the prompt), readable by the owner only (directory
+0700, files 0600). They are removed on ``close``/``free``, garbage collection, interpreter exit and SIGTERM
+(:func:`install_sigterm_cleanup` chains any earlier handler, then ends the process as SIGTERM would). What
+SIGKILL, a power loss or a kernel crash leaves behind is removed the next time a kvcomp process opens a disk
+tier in the same root (:func:`sweep_stale`: each directory holds ``owner.lock``, locked by its process as long
+as it lives, so a directory whose lock is free belongs to a dead process). For prompts that must not touch a
+disk, use ``tier="host"`` or point the root at an encrypted volume or a tmpfs.
+
+Space: a layer's file is reserved (``posix_fallocate``) before it is mapped or grown, after a check of the free
+space (``os.statvfs``), so a full filesystem raises :class:`TierFull` (naming the directory and the bytes needed;
+the tier's files are removed) instead of a SIGBUS when a page of a sparse file finds no room.
+
 Layout: storage is token-major, ``[capacity, B, H, 2, D]``: a token's key and value for one head are one
 contiguous run of ``2 * D * itemsize`` bytes, so gathering scattered tokens reads whole runs, and appending
 writes at the end of the file. A disk tier is read through the OS page cache (mmap): a recently written file
@@ -38,12 +53,18 @@ time waited, prefetches used and dropped are counted per step in :class:`Transfe
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import itertools
+import math
 import os
 import shutil
+import signal
+import socket
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,6 +72,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+
+from kvcomp.validation import ResourceError
 
 TIER_KINDS = ("ram", "host", "disk")
 _MIN_GROWTH = 256  # tokens added at least when a layer's storage grows
@@ -250,50 +273,210 @@ class HostTier(Tier):
         return self.pin_memory and self.device.type == "cuda"
 
 
-def _remove_dir(path: str) -> None:
+class TierFull(ResourceError):
+    """The disk tier's filesystem has no room for the bytes a layer needs (``errno.ENOSPC``)."""
+
+    def __init__(self, message: str, directory: str, needed: int, free: int):
+        super().__init__(errno.ENOSPC, message)
+        self.directory, self.needed, self.free = directory, needed, free
+
+
+TIER_PREFIX = "kvcomp-tier-"
+OWNER_LOCK = "owner.lock"
+# Directories of live disk tiers of this process (insertion-ordered), for the SIGTERM cleanup.
+_live_dirs: dict[str, None] = {}
+_swept_roots: set[str] = set()
+_sweep_lock = threading.Lock()
+_sigterm_state: dict[str, Any] = {}
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged process may still write on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _remove_dir(path: str, owner_pid: int | None = None, lock_fd: int | None = None) -> None:
+    if owner_pid is not None and os.getpid() != owner_pid:
+        return  # a forked child exiting must not delete its parent's tier
+    _live_dirs.pop(path, None)
     shutil.rmtree(path, ignore_errors=True)
+    if lock_fd is not None:
+        os.close(lock_fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _is_stale(path: str) -> bool:
+    """Whether the tier directory ``path`` belongs to a process that is gone (see the module docstring)."""
+    lock = os.path.join(path, OWNER_LOCK)
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        # Being created (the lock comes right after the directory), or left by a kvcomp without locks: the
+        # pid in the name decides; a name without one cannot be judged and is left alone.
+        pid = os.path.basename(path)[len(TIER_PREFIX):].split("-", 1)[0]
+        return pid.isdigit() and not _pid_alive(int(pid))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # its owner holds the lock: alive
+    finally:
+        os.close(fd)  # also releases a lock taken just now
+    return True
+
+
+def sweep_stale(root: str | os.PathLike) -> list[str]:
+    """Remove the tier directories under ``root`` whose processes are dead (killed by SIGKILL, a crash);
+    returns what was removed. Runs once per root and process, when the first disk tier opens there."""
+    root = os.path.abspath(root)
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(root, name)
+        if not name.startswith(TIER_PREFIX) or path in _live_dirs or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if _is_stale(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        warnings.warn(f"kvcomp: removed {len(removed)} offload director{'y' if len(removed) == 1 else 'ies'} left in "
+                      f"{root} by processes that died without cleaning up (plaintext KV): "
+                      f"{', '.join(os.path.basename(p) for p in removed)}.", stacklevel=3)
+    return removed
+
+
+def _on_sigterm(signum, frame) -> None:
+    previous = _sigterm_state.get("previous")
+    if os.getpid() == _sigterm_state.get("pid"):
+        for path in list(_live_dirs):
+            _remove_dir(path)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    # The default action: end the process as SIGTERM does (exit status 128 + 15 in a shell).
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def install_sigterm_cleanup() -> bool:
+    """Make SIGTERM remove this process's disk tiers first (once per process; from the main thread only, as
+    Python requires). An earlier Python handler is called afterwards; with none, the process then ends as
+    SIGTERM's default action would. A process that ignores SIGTERM keeps ignoring it. Returns whether the
+    handler is installed."""
+    if _sigterm_state.get("pid") == os.getpid():
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        return False
+    _sigterm_state.update(pid=os.getpid(), previous=previous if callable(previous) else None)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return True
 
 
 class DiskTier(Tier):
     """One memory-mapped file per layer (``layer<i>.kv``) in a private directory under ``directory``
-    (default: ``$KVCOMP_OFFLOAD_DIR`` or the system temporary directory).
+    (default: ``$KVCOMP_OFFLOAD_DIR`` or the system temporary directory). The files hold plaintext K/V: see
+    the module docstring for where they go and when they are removed.
 
     The directory is removed by :meth:`close`, by ``with DiskTier() as tier:``, when the tier is
-    garbage-collected (``weakref.finalize``, so also after an exception drops the last reference) and at
-    interpreter exit."""
+    garbage-collected (``weakref.finalize``, so also after an exception drops the last reference), at
+    interpreter exit and on SIGTERM; the first tier of a process in a root sweeps what dead processes left."""
 
     kind = "disk"
 
     def __init__(self, device=None, directory: str | os.PathLike | None = None):
         super().__init__(device)
-        root = directory or os.environ.get("KVCOMP_OFFLOAD_DIR") or tempfile.gettempdir()
+        root = os.path.abspath(directory or os.environ.get("KVCOMP_OFFLOAD_DIR") or tempfile.gettempdir())
         os.makedirs(root, exist_ok=True)
-        self.path = tempfile.mkdtemp(prefix="kvcomp-tier-", dir=root)
-        self._finalizer = weakref.finalize(self, _remove_dir, self.path)
+        install_sigterm_cleanup()
+        with _sweep_lock:
+            if root not in _swept_roots:
+                _swept_roots.add(root)
+                sweep_stale(root)
+        self.path = tempfile.mkdtemp(prefix=f"{TIER_PREFIX}{os.getpid()}-", dir=root)
+        _live_dirs[self.path] = None
+        try:
+            # Held as long as this tier lives; the kernel drops it when the process dies, however it dies.
+            lock_fd = os.open(os.path.join(self.path, OWNER_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except BaseException:
+            _remove_dir(self.path)
+            raise
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        os.write(lock_fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        self._finalizer = weakref.finalize(self, _remove_dir, self.path, os.getpid(), lock_fd)
         self._maps: dict[int, np.memmap] = {}
         self._meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def file(self, layer: int) -> str:
         return os.path.join(self.path, f"layer{layer}.kv")
 
-    def _map(self, layer: int, capacity: int, tail: tuple[int, ...], dtype: torch.dtype, mode: str) -> torch.Tensor:
+    def _map(self, layer: int, capacity: int, tail: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
         itemsize = torch.empty((), dtype=dtype).element_size()
         shape = (capacity, *tail[:-1], tail[-1] * itemsize)
-        # np.memmap extends the file to the mapped size in "w+" and "r+" modes.
-        mm = np.memmap(self.file(layer), dtype=np.uint8, mode=mode, shape=shape)
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_TRUNC if create else 0)
+        fd = os.open(self.file(layer), flags, 0o600)
+        try:
+            self._reserve(fd, layer, math.prod(shape))
+        finally:
+            os.close(fd)
+        mm = np.memmap(self.file(layer), dtype=np.uint8, mode="r+", shape=shape)
         self._maps[layer] = mm
         return torch.from_numpy(mm).view(dtype)
+
+    def _reserve(self, fd: int, layer: int, size: int) -> None:
+        """Make the file ``size`` bytes with its blocks allocated: writing a page of a sparse file on a full
+        filesystem is a SIGBUS, not an error Python can catch."""
+        have = os.fstat(fd).st_size
+        need = size - have
+        if need <= 0:
+            return
+        free = _free_bytes(self.path)
+        if need > free:
+            self._full(layer, need, free)
+        try:
+            os.posix_fallocate(fd, have, need)
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._full(layer, need, _free_bytes(self.path))
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.ftruncate(fd, size)  # a filesystem without fallocate: the free-space check is all there is
+
+    def _full(self, layer: int, need: int, free: int) -> None:
+        path = self.path
+        self.close()
+        raise TierFull(
+            f"Offload disk full: layer {layer} of the disk tier needs {need:,} more bytes in {path}, and that "
+            f"filesystem has {free:,} free. The tier's files were removed. Free space there, point the offload at "
+            "a larger disk (offload_dir=... for FreeKV/SpeCache, Lossless(tier_options={'directory': ...}), or "
+            "$KVCOMP_OFFLOAD_DIR), or keep the full KV in memory (tier='host').", path, need, free)
 
     def _allocate(self, layer, capacity, tail, dtype):
         if not self._finalizer.alive:
             raise RuntimeError("DiskTier is closed.")
         self._meta[layer] = (tail, dtype)
-        return self._map(layer, capacity, tail, dtype, "w+")
+        return self._map(layer, capacity, tail, dtype, create=True)
 
     def _grow(self, layer, slot, capacity):
         # Extend the file and map it again: the stored tokens are not copied.
         tail, dtype = self._meta[layer]
-        return self._map(layer, capacity, tail, dtype, "r+")
+        return self._map(layer, capacity, tail, dtype, create=False)
 
     def _release(self, layer):
         self._maps.pop(layer, None)

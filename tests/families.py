@@ -32,7 +32,7 @@ FAMILIES = {
     "cohere": ("cohere", {}),  # interleaved RoPE
     "starcoder2": ("starcoder2", dict(sliding_window=None)),
     "gpt_oss": ("gpt_oss", dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),  # sinks
-    "gpt_neox": ("gpt_neox", dict(rotary_pct=0.25)),  # partial rotary
+    "gpt_neox": ("gpt_neox", dict(rotary_pct=0.25, num_key_value_heads=4)),  # partial rotary; multi-head only
     "phi": ("phi", dict(partial_rotary_factor=0.5)),  # partial rotary
     "gpt2": ("gpt2", None),  # multi-head attention, learned absolute positions (no RoPE)
 }

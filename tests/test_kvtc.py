@@ -80,7 +80,8 @@ def test_rope_undo_redo_is_exact_and_matches_the_model(tiny):
 def test_artifact_round_trips_and_rejects_another_model(tiny, artifact):
     model, _ = tiny
     cal = calibration.load_artifact(artifact, model)
-    assert cal.meta["format"] == "kvcomp-kvtc" and cal.meta["version"] == "2"
+    assert cal.meta["format"] == "kvcomp-kvtc" and cal.meta["version"] == "3"
+    assert cal.meta["tensors_sha256"] == calibration.tensors_digest(cal.tensors)
     assert (cal.meta["num_layers"], cal.meta["num_kv_heads"], cal.meta["head_dim"]) == ("2", "2", "16")
     n_options = len(tc.OPTION_BITS)
     assert cal.basis.shape == (2, 2, 2, 16, 16) and cal.step.shape == (2, 2, 2, n_options - 1, 16)

@@ -101,10 +101,10 @@ def test_disk_tier_files_are_removed_on_free_close_and_context_exit(tmp_path):
     tier = DiskTier(directory=tmp_path)
     tier.write(0, *kv(8, 0))
     tier.write(1, *kv(8, 1))
-    assert sorted(os.listdir(tier.path)) == ["layer0.kv", "layer1.kv"]
+    assert sorted(os.listdir(tier.path)) == ["layer0.kv", "layer1.kv", "owner.lock"]
     assert os.path.getsize(tier.file(0)) == 8 * B * H * 2 * D * 4 == tier.nbytes() // 2
     tier.free(0)
-    assert os.listdir(tier.path) == ["layer1.kv"]
+    assert sorted(os.listdir(tier.path)) == ["layer1.kv", "owner.lock"]
     tier.close()
     assert os.listdir(tmp_path) == []
     with DiskTier(directory=tmp_path) as t:

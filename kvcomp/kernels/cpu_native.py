@@ -10,6 +10,11 @@ It is compiled with the system C compiler (``$CC``, default ``cc``) into ``$KVCO
 time it is needed (about a second) and loaded with ctypes. Float32 CPU tensors only; anything else, no
 compiler, or ``KVCOMP_NATIVE=0`` falls back to :func:`kvcomp.kernels.quant_cpu.quant_attention`. Same
 signature and result as :func:`kvcomp.kernels.quant_ref.quant_attention`.
+
+A cached library is loaded only when it and its directory belong to the current user and nobody else may write
+them (loading a library runs its code): otherwise the library is rebuilt (a planted or tampered file is
+replaced); a directory of this user's that others may write is made private first, and one that is not this
+user's (or a link) is not used: the library is then built and loaded from a private temporary directory.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -266,26 +273,70 @@ def load() -> ctypes.CDLL | None:
     return _lib or None
 
 
-def _compile() -> ctypes.CDLL | None:
+def library_path() -> Path:
+    """Where the compiled kernel is cached (named by a digest of the source, flags, compiler and platform)."""
     compiler = os.environ.get("CC", "cc")
     digest = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler + sys.platform).encode()).hexdigest()[:16]
-    target = _build_dir() / f"quant_attention_{digest}.so"
+    return _build_dir() / f"quant_attention_{digest}.so"
+
+
+def untrusted(path: Path) -> str | None:
+    """Why ``path`` must not be loaded or built into (None: owned by this user, writable by no one else)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by its group or by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _build(compiler: str, target: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "quant_attention.c"
+        src.write_text(SOURCE)
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(src), "-o", str(built), "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.chmod(built, 0o755)  # whatever the umask: a cached library must not be writable by others
+        os.replace(built, target)  # atomic: concurrent processes never load a half-written file
+
+
+def _compile() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC", "cc")
+    target = library_path()
+    private = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        problem = untrusted(target.parent)
+        if problem and problem.startswith("is writable"):  # our own directory: make it private (its files are
+            os.chmod(target.parent, 0o700)  # still checked one by one below)
+            warnings.warn(f"kvcomp: the kernel cache {target.parent} {problem}; made it private (mode 700).",
+                          stacklevel=3)
+            problem = None
+        if problem:
+            warnings.warn(f"kvcomp: the kernel cache {target.parent} {problem}; building the native kernel in a "
+                          "private temporary directory instead (not cached).", stacklevel=3)
+            private = tempfile.mkdtemp(prefix="kvcomp-kernel-")
+            target = Path(private) / target.name
+        elif os.path.lexists(target) and (problem := untrusted(target)):
+            warnings.warn(f"kvcomp: not loading the cached native kernel {target}: it {problem}. Rebuilding it.",
+                          stacklevel=3)
+            os.remove(target)
         if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                src = Path(tmp) / "quant_attention.c"
-                src.write_text(SOURCE)
-                built = Path(tmp) / target.name
-                subprocess.run([compiler, *FLAGS, str(src), "-o", str(built), "-lm"], check=True,
-                               capture_output=True, timeout=120)
-                os.replace(built, target)  # atomic: concurrent processes never load a half-written file
+            _build(compiler, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", b"") or b""
         warnings.warn(f"kvcomp: the native CPU kernel is unavailable ({err} {detail.decode()[:300]}); "
                       "using the torch implementation.", stacklevel=3)
         return None
+    finally:
+        if private is not None:  # a loaded library stays mapped
+            shutil.rmtree(private, ignore_errors=True)
     fn = lib.quant_attention_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 11 + [ctypes.c_int, ctypes.c_float, ctypes.c_int,
