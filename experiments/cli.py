@@ -106,16 +106,17 @@ def _demo(args) -> int:
 
 
 def _grid(args) -> int:
+    from experiments.bench import parse_spec
     from experiments.grid import OFFLINE_RULER, run_table
     from kvcomp.registry import get
 
-    for name in args.compressors:
+    for name in [*args.compressors, *(parse_spec(s)[0] for s in args.configs)]:
         get(name)  # an unknown name fails before the model loads
     model, tokenizer = _load(args)
     files = run_table(model, tokenizer, tasks=args.tasks or OFFLINE_RULER, lengths=args.lengths,
                       samples=args.samples, compressors=args.compressors, ratios=args.ratios, modes=args.modes,
                       out_dir=args.out, params=dict(_parse_param(p) for p in args.param),
-                      max_new_tokens=args.max_new_tokens, seed=args.seed)
+                      max_new_tokens=args.max_new_tokens, seed=args.seed, configs=tuple(args.configs))
     print(files["scores_md"].read_text())
     for kind, path in files.items():
         print(f"{kind:20s} {path}")
@@ -224,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=["agnostic", "aware"], choices=["agnostic", "aware"])
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="a hyper-parameter given to every compressor (repeatable)")
+    p.add_argument("--configs", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="more columns, each a compressor with its own parameters (quant:bits=4 kvtc:compression_factor=8)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's own cap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/grid")

@@ -22,6 +22,7 @@ import pandas as pd
 from eval.ruler import TASKS as RULER_TASKS
 from eval.ruler import TaskDataUnavailable
 from eval.runner import load_samples, run_grid
+from experiments.bench import parse_spec
 from experiments.report import make_report
 from kvcomp import files
 from kvcomp.registry import create
@@ -32,10 +33,19 @@ MODES = {"agnostic": False, "aware": True}
 OFFLINE_RULER = [t for t in RULER_TASKS if not t.startswith("qa")]
 
 
+def spec_label(spec: str) -> str:
+    """A run-directory label for a ``name:key=value,...`` spec: ``quant:bits=4`` -> ``quant-bits4``."""
+    name, params = parse_spec(spec)
+    return "-".join([name, *(f"{k}{v}" for k, v in params.items())])
+
+
 def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ratios, modes, out_dir,
               params: dict | None = None, max_new_tokens: int | None = None, seed: int = 0,
-              progress: bool = True) -> dict[str, Path]:
-    """Run the grid into ``out_dir`` and write the report; returns the report's files."""
+              progress: bool = True, configs: tuple[str, ...] = ()) -> dict[str, Path]:
+    """Run the grid into ``out_dir`` and write the report; returns the report's files.
+
+    ``compressors`` x ``ratios`` (with ``params`` for each), plus ``configs``: compressors given as
+    ``name:key=value,...`` specs (``quant:bits=4``, ``kvtc:compression_factor=8``), each its own column."""
     positive_int("samples", samples, owner="kvcomp grid", error=UsageError)
     for length in lengths:
         positive_int("length", length, owner="kvcomp grid", error=UsageError)
@@ -45,15 +55,18 @@ def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ra
         raise ValueError(f"Unknown mode(s) {unknown}; use {list(MODES)}.")
     with files.lock_run_dir(out_dir, "kvcomp grid"):
         return _run_table(model, tokenizer, tasks, lengths, samples, compressors, ratios, modes, out_dir, params,
-                          max_new_tokens, seed, progress)
+                          max_new_tokens, seed, progress, configs)
 
 
 def _run_table(model, tokenizer, tasks, lengths, samples, compressors, ratios, modes, out_dir: Path, params,
-               max_new_tokens, seed, progress) -> dict[str, Path]:
+               max_new_tokens, seed, progress, configs=()) -> dict[str, Path]:
     grid = {"none": None}
     for name in compressors:
         for ratio in ratios:
             grid[f"{name}-{ratio}"] = create(name, compression_ratio=ratio, **(params or {}))
+    for spec in configs:
+        name, spec_params = parse_spec(spec)
+        grid[spec_label(spec)] = create(name, **spec_params)
     for length in lengths:
         for task in tasks:
             name = task if "/" in task else f"ruler/{task}"
@@ -76,7 +89,8 @@ def score_table(report_dir: Path) -> dict[str, Path]:
     cells ``score [memory_factor]`` (exact-match rate with the uncompressed output in ``exact.csv``)."""
     df = pd.read_csv(report_dir / "report.csv")
     df["config"] = [
-        "none" if c == "none" else f"{c} {r:g}" for c, r in zip(df["compressor"], df["compression_ratio"])
+        "none" if c == "none" else f"{c} {r:g}" if pd.notna(r) else Path(d).name  # a spec's own label
+        for c, r, d in zip(df["compressor"], df["compression_ratio"], df["run_dir"])
     ]
     df["config"] = df["config"] + " (" + df["mode"].str.replace("query_", "") + ")"
     df["cell"] = [f"{s:.0f} [{m:.2f}]" for s, m in zip(df["score"], df["memory_factor"])]

@@ -32,7 +32,7 @@ Budget: ``top_k`` units per KV head when set; otherwise ``budget_fraction`` of t
 the fast-tier budget, and what summary, sinks and window leave of it is spent on fetched tokens (at least
 none), so ``memory_factor`` is about ``1 / budget_fraction`` once the context is long enough.
 
-``rollback(state, n)`` undoes the last ``n`` tokens (lossless decoding): the tier is cropped and the state
+``checkpoint`` / ``rollback`` undo the tokens appended since the checkpoint (lossless decoding): the tier is cropped and the state
 becomes the one the shorter history would have built. Scope: batch size 1 (``supports_batch=False``) and
 contiguous positions (it cannot follow an eviction stage in ``Compose``). Per-step transfer statistics are on each layer state (``state.stats`` and the prefetcher's
 ``state.prefetcher.stats``); :func:`retrieval_stats` sums them over a cache.
@@ -68,6 +68,13 @@ class RetrievalStats:
     decode_bytes: int = 0  # bytes moved from the slow tier for decode steps (prefetches and corrections)
     block_bytes: int = 0  # bytes read back for multi-token forwards (full KV)
     fetched_tokens: int = 0  # full-precision tokens attended from fetch buffers, summed over head-steps
+
+
+@dataclass(frozen=True)
+class RetrievalSnapshot:
+    """What :meth:`Retrieval.rollback` needs to restore a state: how many tokens it held."""
+
+    length: int
 
 
 @dataclass
@@ -264,17 +271,18 @@ class Retrieval(Compressor):
         fixed = state.prefetcher.fetch(state.step, self._request(state, missed)) if bool(has_missed.any()) else None
         return _complete(result, wanted, fixed, self.unit, units.shape[-1] * self.unit)
 
-    def checkpoint(self, state: RetrievalState) -> RetrievalState:
-        # Nothing to save: every token is in the tier, so rollback rebuilds what it removes from there.
-        return state
+    def checkpoint(self, state: RetrievalState) -> RetrievalSnapshot:
+        # Only the length: every token is in the tier, so rollback rebuilds what it removes from there.
+        return RetrievalSnapshot(state.length)
 
-    def rollback(self, state: RetrievalState, n: int) -> RetrievalState:
-        """Undo the last ``n`` tokens: crop the tier (which invalidates an outstanding prefetch) and, when the
-        window would hold fewer than ``window`` tokens, drop summary chunks and read their tokens back from the
-        tier into the window — the state a history without those tokens would have built."""
+    def rollback(self, state: RetrievalState, snapshot: RetrievalSnapshot) -> RetrievalState:
+        """Undo the tokens appended since ``snapshot``: crop the tier (which invalidates an outstanding prefetch)
+        and, when the window would hold fewer than ``window`` tokens, drop summary chunks and read their tokens
+        back from the tier into the window — the state a history without those tokens would have built."""
+        n = state.length - snapshot.length
         if n <= 0:
             return state
-        length = state.length - n
+        length = snapshot.length
         if length < state.n_sink:
             raise CompressorError(f"rollback({n}) would remove prompt sink tokens ({state.length} stored).")
         state.prefetcher.cancel()

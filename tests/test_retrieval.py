@@ -313,17 +313,20 @@ def test_rollback_equals_never_having_appended(make):
     q, k, v, ctx = layer_inputs(n=60)
     extra_k, extra_v = torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
 
-    def run(steps):
+    def run(steps, snapshot_at=None):
         c = make(**kw)
         state = c.prefill(0, q, k, v, ctx)
+        snapshot = None
         for i in range(steps):
+            if i == snapshot_at:
+                snapshot = c.checkpoint(state)
             state = c.append(0, state, extra_k[:, :, i:i + 1], extra_v[:, :, i:i + 1], decode_ctx(60 + i))
             c.attend(0, state, torch.randn(1, 4, 1, 16), decode_ctx(60 + i))
-        return c, state
+        return c, state, snapshot
 
-    c, rolled = run(30)
-    c.rollback(rolled, 19)
-    _, fresh = run(11)
+    c, rolled, snapshot = run(30, snapshot_at=11)
+    rolled = c.rollback(rolled, snapshot)
+    _, fresh, _ = run(11)
     assert rolled.length == fresh.length == rolled.tier.length(0) == 71
     assert rolled.boundary == fresh.boundary
     assert torch.equal(rolled.recent_k, fresh.recent_k) and torch.equal(rolled.recent_v, fresh.recent_v)
