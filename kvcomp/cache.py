@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcomp.attention import install, layer_specs, set_active
-from kvcomp.compressor import SENTINEL, Compressor, LayerContext
+from kvcomp.compressor import SENTINEL, Compressor, CompressorError, LayerContext
 from kvcomp.ops import AttentionSpec, dense_attention
 from kvcomp.selection import WindowStore
 
@@ -185,6 +185,8 @@ class CompressedLayer(CacheLayerMixin):
         self.state = self.compressor.prefill(self.layer_idx, q, k, v, ctx)
 
     def _attend(self, query, k, v, position_ids, valid):
+        if self.state is not None and k.shape[2] > 1 and self.layer_idx == 0:
+            self._check_continues(position_ids, valid)
         ctx = self.context(query, k, position_ids, valid)
         if self.state is None:
             out, _ = dense_attention(query, k, v, position_ids, ctx.positions, self.spec)
@@ -194,6 +196,17 @@ class CompressedLayer(CacheLayerMixin):
         out = self.compressor.attend(self.layer_idx, self.state, query, ctx)
         self.state = self.compressor.after_attend(self.layer_idx, self.state, ctx)
         return out
+
+    def _check_continues(self, position_ids: torch.Tensor, valid: torch.Tensor) -> None:
+        """A block over a filled cache must continue its sequence: a second ``generate`` on the same cache (which
+        transformers would feed as a shortened "continuation") is refused instead of answering from the wrong
+        history. (Only multi-token blocks are checked: one host sync per prompt block, none per decode step.)"""
+        if bool((valid & (position_ids < self.next_position.view(-1, 1))).any()):
+            raise CompressorError(
+                f"This CompressedCache already holds a sequence ({self.seen_total} tokens) and the new input does not "
+                "continue it: build a new CompressedCache(model, compressor) for every generate() call on a new prompt "
+                "(a cache can only continue the sequence it holds)."
+            )
 
     def full_bytes(self) -> int:
         """Bytes transformers' own cache holds for this layer's real tokens (a sliding layer: the last

@@ -103,8 +103,8 @@ class RetrievalState:
     stats: RetrievalStats = field(default_factory=RetrievalStats)
 
     def resident_tensors(self) -> list[torch.Tensor]:
-        tensors = [self.sink_k, self.sink_v, self.recent_k, self.recent_v]
-        return tensors + ([self.prev_q] if self.prev_q is not None else [])
+        tensors = [self.sink_k, self.sink_v, self.recent_k, self.recent_v, self.prev_q, self.pending_units, self.scratch]
+        return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
 @dataclass

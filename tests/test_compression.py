@@ -197,19 +197,6 @@ def test_resident_bytes_are_the_stored_tensors(tiny, method):
         assert layer.state.keys.shape[1] == cfg.num_key_value_heads != cfg.num_attention_heads
 
 
-@pytest.mark.parametrize("method", SELECTION_METHODS)
-@pytest.mark.parametrize("query_aware", [False, True])
-def test_batch_equals_each_prompt_alone(tiny64, method, query_aware):
-    model, tokenizer = tiny64
-    compressor = method(compression_ratio=0.5)
-    batched = generate(model, tokenizer, CONTEXTS, QUESTIONS, compressor=compressor, max_new_tokens=NEW_TOKENS,
-                       query_aware=query_aware)
-    for i, (c, q) in enumerate(zip(CONTEXTS, QUESTIONS)):
-        alone = generate(model, tokenizer, c, q, compressor=compressor, max_new_tokens=NEW_TOKENS,
-                         query_aware=query_aware)
-        assert batched.token_ids[i] == alone.token_ids[0], f"row {i} differs"
-
-
 def test_padding_is_never_stored(tiny):
     model, tokenizer = tiny
     result_cache = {}
