@@ -191,7 +191,7 @@ def prefill(model, ids: torch.Tensor, compressor, device: str) -> dict[str, Any]
 
     from kvcomp import CompressedCache
 
-    cache = DynamicCache() if compressor is None else CompressedCache(model, compressor)
+    cache = DynamicCache(config=model.config) if compressor is None else CompressedCache(model, compressor)
     _use_attention(model, compressor)
     ids = ids.to(device)
     with PeakMemory(device) as memory:
