@@ -17,6 +17,7 @@ def _list(args) -> int:
             f"{f.name}={f.default!r}" for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
         )
         caps = [k for k, v in dataclasses.asdict(cls.capabilities).items() if v is True]
+        caps.append(f"sliding layers: {'compressed' if cls.sliding_layers == 'compress' else 'window kept'}")
         module_doc = sys.modules[cls.__module__].__doc__ or ""
         doc = module_doc.strip().splitlines()[0] if module_doc.strip() else ""
         print(f"{name:16s} {cls.__module__}.{cls.__name__}  [{', '.join(caps)}]\n    {doc}\n    {fields}")
