@@ -684,12 +684,18 @@ def run_grid(
             _append(paths[label], [record])
         del pre
 
-    summaries = {}
-    for label, path in paths.items():
-        summaries[label] = {**summarize(load_records(path)), "task": task_samples.name,
-                            "length": task_samples.config.get("length"), "run_dir": str(path.parent)}
-        (path.parent / "summary.json").write_text(json.dumps(_jsonable(summaries[label]), indent=2) + "\n")
-    return summaries
+    return {label: write_summary(path.parent, task_samples.name, task_samples.config.get("length"))
+            for label, path in paths.items()}
+
+
+def write_summary(run_dir: str | os.PathLike, task: str, length: int | None) -> dict[str, Any]:
+    """Write ``run_dir/summary.json`` from ``run_dir/results.jsonl`` as :func:`run_grid` does for each label
+    (the sharded grid's merge writes its files with it too); returns the summary."""
+    run_dir = Path(run_dir)
+    summary = {**summarize(load_records(run_dir / "results.jsonl")), "task": task, "length": length,
+               "run_dir": str(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
+    return summary
 
 
 def _records(task_samples: Task, batch: list[Sample], out: _Batch, config: dict, mode: str,

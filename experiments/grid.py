@@ -30,18 +30,29 @@ MODES = {"agnostic": False, "aware": True}
 OFFLINE_RULER = [t for t in RULER_TASKS if not t.startswith("qa")]
 
 
-def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ratios, modes, out_dir,
-              params: dict | None = None, max_new_tokens: int | None = None, seed: int = 0,
-              progress: bool = True) -> dict[str, Path]:
-    """Run the grid into ``out_dir`` and write the report; returns the report's files."""
-    out_dir = Path(out_dir)
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"Unknown mode(s) {unknown}; use {list(MODES)}.")
+def build_grid(compressors, ratios, params: dict | None = None) -> dict:
+    """label -> compressor of the grid: ``none`` (uncompressed) and ``<name>-<ratio>`` for each pair."""
     grid = {"none": None}
     for name in compressors:
         for ratio in ratios:
             grid[f"{name}-{ratio}"] = create(name, compression_ratio=ratio, **(params or {}))
+    return grid
+
+
+def check_modes(modes) -> None:
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"Unknown mode(s) {unknown}; use {list(MODES)}.")
+
+
+def cell_dir(out_dir: Path, task_name: str, length: int, mode: str) -> Path:
+    """Where the runs of one task, length and mode go: ``<task>/L<length>/<mode>`` under ``out_dir``."""
+    return Path(out_dir) / task_name.replace("/", "_") / f"L{length}" / mode
+
+
+def grid_tasks(tokenizer, *, tasks, lengths, samples: int, seed: int = 0, max_new_tokens: int | None = None):
+    """``(task name, length, Task)`` of every task and length of the grid, in the order the grid runs them;
+    tasks whose data is not available offline are skipped with the reason printed."""
     for length in lengths:
         for task in tasks:
             name = task if "/" in task else f"ruler/{task}"
@@ -51,11 +62,28 @@ def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ra
             except TaskDataUnavailable as err:
                 print(f"kvcomp grid: skipping {name}: {err}")
                 continue
-            for mode in modes:
-                run_grid(model, tokenizer, bench, grid, query_aware=MODES[mode],
-                         out_dir=out_dir / name.replace("/", "_") / f"L{length}" / mode, progress=progress)
-    files = make_report([out_dir], out_dir / "report")
-    files.update(score_table(out_dir / "report"))
+            yield name, length, bench
+
+
+def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ratios, modes, out_dir,
+              params: dict | None = None, max_new_tokens: int | None = None, seed: int = 0,
+              progress: bool = True) -> dict[str, Path]:
+    """Run the grid into ``out_dir`` and write the report; returns the report's files."""
+    out_dir = Path(out_dir)
+    check_modes(modes)
+    grid = build_grid(compressors, ratios, params)
+    for name, length, bench in grid_tasks(tokenizer, tasks=tasks, lengths=lengths, samples=samples, seed=seed,
+                                          max_new_tokens=max_new_tokens):
+        for mode in modes:
+            run_grid(model, tokenizer, bench, grid, query_aware=MODES[mode],
+                     out_dir=cell_dir(out_dir, name, length, mode), progress=progress)
+    return write_reports(out_dir)
+
+
+def write_reports(out_dir: Path) -> dict[str, Path]:
+    """``kvcomp report`` over the grid's runs into ``out_dir/report``, plus the score table."""
+    files = make_report([out_dir], Path(out_dir) / "report")
+    files.update(score_table(Path(out_dir) / "report"))
     return files
 
 

@@ -33,7 +33,12 @@ MODE_SHORT = {"query_aware": "aware", "query_agnostic": "agnostic"}
 
 
 def find_runs(paths: Iterable[str | Path]) -> list[Path]:
-    """Run directories (those holding ``summary.json``) under ``paths``, sorted, without duplicates."""
+    """Run directories (those holding ``summary.json``) under ``paths``, sorted, without duplicates.
+
+    The shards of a sharded grid (directories holding ``shard.json``) below a given path are skipped: their
+    merge is the grid's runs. A path inside a shard is read as given."""
+    from experiments.shard import SHARD_MARKER
+
     runs = set()
     for p in paths:
         p = Path(p)
@@ -41,7 +46,10 @@ def find_runs(paths: Iterable[str | Path]) -> list[Path]:
             raise FileNotFoundError(f"{p}: no such directory.")
         if (p / "summary.json").is_file():
             runs.add(p.resolve())
-        runs.update(s.parent.resolve() for s in p.rglob("summary.json"))
+        for s in p.rglob("summary.json"):
+            between = s.parent.relative_to(p).parents  # p/a/b/run -> a/b/run, a/b, a, .
+            if not any((p / d / SHARD_MARKER).is_file() for d in between if str(d) != "."):
+                runs.add(s.parent.resolve())
     return sorted(runs)
 
 
