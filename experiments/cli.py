@@ -1,4 +1,4 @@
-"""The ``kvcomp`` command: list, generate, demo, grid, run, report, calibrate, bench."""
+"""The ``kvcomp`` command: list, generate, demo, grid (and grid merge), run, report, export, calibrate, bench."""
 
 from __future__ import annotations
 
@@ -188,6 +188,20 @@ def _report(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from experiments.kvpress_format import KvpressFormatError, export_kvpress
+
+    try:
+        written = export_kvpress(args.dirs, args.out)
+    except (FileNotFoundError, KvpressFormatError) as err:
+        print(f"kvcomp export: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    print(f"{len(written)} kvpress evaluation directories under {args.out}")
+    return 0
+
+
 def _calibrate(args) -> int:
     import time
 
@@ -298,9 +312,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_run)
 
     p = sub.add_parser("report", help="tables (CSV, Markdown) and plots from run or sweep directories")
-    p.add_argument("dirs", nargs="+", help="run directories, sweeps, or trees of them (with summary.json)")
+    p.add_argument("dirs", nargs="+",
+                   help="run directories, sweeps, grids, kvpress evaluation directories, or trees of them")
     p.add_argument("--out", default="reports/latest", help="where report.csv, report.md and the PNGs go")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("export", help="write runs in kvpress's evaluation layout (kvcomp report reads it back)")
+    p.add_argument("dirs", nargs="+", help="run directories, grids, sweeps or trees of them")
+    p.add_argument("--format", choices=["kvpress"], default="kvpress")
+    p.add_argument("--out", required=True, help="where the <dataset>__<length>__<model>__<press>__<ratio> dirs go")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("calibrate", help="fit a method's calibration artifact (kvtc: PCA bases and bit tables)")
     p.add_argument("method", choices=["kvtc"])

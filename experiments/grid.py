@@ -2,14 +2,16 @@
 
 Every configuration of the grid shares the prefill of a sample (:func:`eval.runner.run_grid`), so a table of
 13 configurations costs one prefill and 13 short decodes per sample instead of 13 prefills. Layout under
-``out_dir``::
+``out_dir`` (the same whether one process ran it or shards did, :mod:`experiments.merge`)::
 
     <task>/L<length>/<mode>/<label>/results.jsonl, summary.json   (one run directory per configuration)
     <task>/L<length>/<mode>/reference.jsonl                       (uncompressed outputs, for fidelity)
     report/report.csv, report.md, *.png                           (kvcomp report over all of them)
     report/scores.md, scores.csv                                  (score [memory_factor] per task and config)
 
-Rerunning the same command resumes; tasks whose data is not available offline (RULER's QA tasks without a
+Sharded (``kvcomp grid --launcher ...`` or ``--shard I/N``), the shards work under ``out_dir/shards/``
+(:mod:`experiments.shard`, :mod:`experiments.launchers`) and their merge writes the files above. Rerunning the
+same command resumes; tasks whose data is not available offline (RULER's QA tasks without a
 local SQuAD/HotpotQA file) are skipped with the reason printed.
 """
 
@@ -95,7 +97,9 @@ def score_table(report_dir: Path) -> dict[str, Path]:
         "none" if c == "none" else f"{c} {r:g}" for c, r in zip(df["compressor"], df["compression_ratio"])
     ]
     df["config"] = df["config"] + " (" + df["mode"].str.replace("query_", "") + ")"
-    df["cell"] = [f"{s:.0f} [{m:.2f}]" for s, m in zip(df["score"], df["memory_factor"])]
+    # '*': differs from the uncompressed run on the same samples at 95% (exact sign test, report.md has p).
+    marks = ["*" if str(v) == "True" else "" for v in df.get("vs_none_significant", [None] * len(df))]
+    df["cell"] = [f"{s:.0f}{mark} [{m:.2f}]" for s, mark, m in zip(df["score"], marks, df["memory_factor"])]
     order = sorted(df["config"].unique(), key=lambda c: (not c.startswith("none"), c))
     cells = df.pivot_table(index=["task", "length"], columns="config", values="cell", aggfunc="first")[order]
     scores = df.pivot_table(index=["task", "length"], columns="config", values="score")[order]
@@ -106,7 +110,9 @@ def score_table(report_dir: Path) -> dict[str, Path]:
     scores.round(1).to_csv(paths["scores_csv"])
     exact.round(3).to_csv(paths["exact_csv"])
     paths["scores_md"].write_text(
-        "Score (x100) [measured memory_factor]; 'mean' row: mean score over tasks and lengths.\n\n"
+        "Score (x100) [measured memory_factor]; 'mean' row: mean score over tasks and lengths. * : the score "
+        "differs from the uncompressed run's on the same samples at 95% (exact sign test over the samples where "
+        "they differ); unmarked: not significant. Intervals and p-values: report.md.\n\n"
         + _markdown(cells) + "\n" + _markdown(scores.round(1))
     )
     return paths
