@@ -21,7 +21,8 @@ compressor without a ``compression_ratio`` (quant, kvtc) is named by ``1 - 1 / m
 the cache's bytes removed. Only RULER exports and reads so far.
 
 Read back, a kvpress directory gives one run per task. kvpress's own have ``source = "kvpress"``, ids
-``kvpress/<dir name>/<task>/<row>`` (its rows are in dataset order), per-sample scores from RULER's metric
+``kvpress/ruler/<length>/<task>/<row>`` (its rows are in dataset order, so its runs pair with each other, not
+with kvcomp's, whose samples are generated otherwise), per-sample scores from RULER's metric
 after kvpress's cleaning of the prediction, and ``memory_factor = 1 / (1 - compression_ratio)``: kvpress
 measures no memory (and its head-wise presses free none), so that is its nominal factor.
 """
@@ -190,11 +191,16 @@ def read_kvpress_dir(path: str | os.PathLike) -> list[tuple[dict[str, Any], dict
     for row in table:
         by_task.setdefault(row["task"], []).append(row)
     mode = "query_aware" if query_aware else "query_agnostic"
+    # kvpress's rows are its dataset's, in order (a fraction < 1 samples them with its seed): the same
+    # dataset, length, fraction and seed are the same samples, so its presses pair with its no_press run.
+    fraction = float(config.get("fraction") or 1.0)
+    sample_prefix = f"kvpress/ruler/{config['data_dir']}" + (
+        f"/fraction{fraction:g}-seed{config.get('seed')}" if fraction < 1 else "")
     out = []
     for task, rows in by_task.items():
         samples = {}
         for i, row in enumerate(rows):
-            sid = row.get("id") or f"kvpress/{path.name}/{task}/{i}"
+            sid = row.get("id") or f"{sample_prefix}/{task}/{i}"
             if sidecar is not None:
                 exact = row.get("exact_match")
                 samples[sid] = {"score": float(row["score"]), "exact_match": None if exact in ("", None) else

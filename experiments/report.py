@@ -218,7 +218,8 @@ def _finish_axes(ax, title: str, xlabel: str, ylabel: str) -> None:
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a panel can be empty (kvpress measures no exact match)
+        ax.legend(fontsize=7)
 
 
 def _save(fig, path: Path) -> Path:
