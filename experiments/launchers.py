@@ -212,9 +212,10 @@ def launch(out_dir: str | os.PathLike, spec: GridSpec, options: LaunchOptions, p
     try:
         while not engine.done():
             time.sleep(options.poll_seconds)
-            bar.total = records_expected(out_dir, spec, options.workers)
-            bar.n = records_done(out_dir)
-            bar.refresh()
+            total, done = records_expected(out_dir, spec, options.workers), records_done(out_dir)
+            if (total, done) != (bar.total, bar.n):  # a log file gets a line per new record, not per poll
+                bar.total, bar.n = total, done
+                bar.refresh()
         results = engine.results()
         bar.total = bar.n = records_done(out_dir)
         bar.refresh()

@@ -6,7 +6,8 @@ The samples of every task and length are dealt round-robin: shard ``i`` of ``n``
 grid's ``out_dir``::
 
     shards/grid.json                       the grid (:class:`GridSpec`) every shard must share
-    shards/<i>-of-<n>/shard.json           the worker: model id, dtype, device, threads, host, versions, status
+    shards/<i>-of-<n>/shard.json           the worker: model id, dtype, device, threads, host, versions, status,
+                                           wall and CPU seconds
     shards/<i>-of-<n>/samples.json         per task and length, the ids and digests of ALL its samples, in order
     shards/<i>-of-<n>/<task>/L<len>/<mode>/<label>/results.jsonl ...   a grid directory over the shard's samples
     shards/<i>-of-<n>/worker.log           the worker's output (local launcher)
@@ -26,6 +27,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import socket
 import sys
 import time
@@ -234,7 +236,9 @@ def run_shard(out_dir: str | os.PathLike, spec: GridSpec, shard: Shard, *, devic
         for mode in spec.modes:
             run_grid(model, tokenizer, mine, grid, query_aware=MODES[mode],
                      out_dir=cell_dir(root, name, length, mode), progress=progress)
-    status.update(status="complete", finished=time.time(), wall_seconds=time.time() - started)
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # this worker's CPU time (a shared machine's wall time lies)
+    status.update(status="complete", finished=time.time(), wall_seconds=time.time() - started,
+                  cpu_seconds=usage.ru_utime + usage.ru_stime)
     _write_json(root / SHARD_MARKER, status)
     return status
 

@@ -95,7 +95,7 @@ def test_sharded_grid_on_a_local_cluster_matches_one_process(launcher, single, t
     assert sorted(r["shard"] for r in results) == [0, 1] and all(r["status"] == "complete" for r in results)
     pids = _worker_pids(out, 2)
     assert len(pids) == 2 and os.getpid() not in pids  # two separate worker processes did the work
-    assert all(r["threads"] == 1 for r in results)
+    assert all(r["threads"] == 1 and 0 < r["cpu_seconds"] for r in results)
     merged = merge_shards(out)
     assert merged["records"] == 2 * 2 * 3 * 3  # tasks x modes x labels x samples
     assert_same_as_single(out, single)
