@@ -166,6 +166,17 @@ def _grid_merge(args) -> int:
     return 0
 
 
+def _grid_diff(args) -> int:
+    from experiments.merge import compare_grids
+
+    result = compare_grids(*args.dirs)
+    print(f"{result['identical']} of {result['records']} records identical (timing fields aside) in "
+          f"{result['files']} files")
+    for rel in result["differ"]:
+        print(f"differs: {rel}")
+    return 0 if not result["differ"] else 1
+
+
 def _run(args) -> int:
     # Hydra parses its own command line: hand it the overrides as if experiments.run had been started.
     from experiments import run
@@ -301,10 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--submitit-param", action="append", default=[], metavar="KEY=VALUE",
                    help="submitit executor parameter, e.g. slurm_partition=gpu, timeout_min=600 (repeatable)")
     p.set_defaults(func=_grid)
-    grid_sub = p.add_subparsers(dest="grid_command", required=False, metavar="{merge}")
+    grid_sub = p.add_subparsers(dest="grid_command", required=False, metavar="{merge,diff}")
     m = grid_sub.add_parser("merge", help="merge the shards of a sharded grid into the files one process writes")
     m.add_argument("dir", help="the grid's --out directory (holding shards/)")
     m.set_defaults(func=_grid_merge)
+    d = grid_sub.add_parser("diff", help="are two grids' records identical (timings aside)?")
+    d.add_argument("dirs", nargs=2, metavar="DIR")
+    d.set_defaults(func=_grid_diff)
 
     # Hydra parses run's arguments itself (main() hands them over before argparse sees them).
     p = sub.add_parser("run", help="one evaluation run, or a sweep with -m (Hydra); see experiments/README")

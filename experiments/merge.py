@@ -21,6 +21,7 @@ from eval.runner import CONFIG_FIELDS, REFERENCE_FILE, write_summary
 from experiments.shard import (
     SAMPLES_FILE,
     SHARD_MARKER,
+    SHARDS_DIR,
     GridSpec,
     Shard,
     read_json,
@@ -170,3 +171,25 @@ def merge_shards(out_dir: str | os.PathLike, report: bool = True) -> dict[str, A
         records += len(lines)
     files = write_reports(out_dir) if report and runs else {}
     return {"runs": runs, "records": records, "files": files}
+
+
+def compare_grids(a: str | os.PathLike, b: str | os.PathLike) -> dict[str, Any]:
+    """Records of two grid directories side by side (timing fields aside; shards and reports not read):
+    ``{"files": n, "records": n, "identical": n, "differ": [relative paths]}``. ``kvcomp grid diff A B``."""
+    a, b = Path(a), Path(b)
+
+    def files(root: Path) -> set[str]:
+        return {p.relative_to(root).as_posix() for p in root.rglob("*.jsonl")
+                if SHARDS_DIR not in p.relative_to(root).parts}
+
+    fa, fb = files(a), files(b)
+    out = {"files": len(fa | fb), "records": 0, "identical": 0,
+           "differ": sorted(fa ^ fb)}  # a file only one side has differs
+    for rel in sorted(fa & fb):
+        ra, rb = [r for r, _ in _lines(a / rel)], [r for r, _ in _lines(b / rel)]
+        same = sum(_without_timing(x) == _without_timing(y) for x, y in zip(ra, rb))
+        out["records"] += max(len(ra), len(rb))
+        out["identical"] += same
+        if same != len(ra) or len(ra) != len(rb):
+            out["differ"].append(rel)
+    return out

@@ -11,7 +11,7 @@ import torch
 from experiments.cli import main
 from experiments.grid import run_table
 from experiments.launchers import LaunchOptions, launch
-from experiments.merge import TIMING_FIELDS, ShardMergeError, merge_shards
+from experiments.merge import TIMING_FIELDS, ShardMergeError, compare_grids, merge_shards
 from experiments.report import collect
 from experiments.shard import GridMismatch, GridSpec, Shard, run_shard, shard_dir
 
@@ -109,6 +109,8 @@ def test_kvcomp_grid_launcher_merges_at_the_end(launcher, single, tmp_path, caps
     assert "merged 36 records of 2 shards into 12 runs" in capsys.readouterr().out
     assert len(_worker_pids(out, 2)) == 2
     assert_same_as_single(out, single)
+    assert main(["grid", "diff", str(out), str(single)]) == 0
+    assert "40 of 40 records identical" in capsys.readouterr().out  # 36 records + 4 reference rows
     if launcher == "local":
         assert (shard_dir(out, Shard(1, 2)) / "worker.log").is_file()
     # Rerunning resumes every shard (nothing to do) and merges the same records again.
@@ -155,6 +157,7 @@ def test_shards_run_by_hand_resume_and_the_merge_refuses_what_it_cannot_merge(si
     with pytest.raises(ShardMergeError, match="already holds a record"):
         merge_shards(out)
     assert _records(target)[1]["prediction"] == "edited"
+    assert compare_grids(out, single)["differ"] == ["ruler_fwe/L512/agnostic/none/results.jsonl"]
     target.unlink()
 
     # Shards that generated different samples do not share one grid.
