@@ -151,7 +151,8 @@ def ensure_manifest(out_dir: str | os.PathLike, spec: GridSpec, count: int) -> N
     path = shards_root(out_dir) / MANIFEST
     if path.is_file():
         theirs, their_count = read_manifest(out_dir)
-        mine, ours = spec.to_dict(), theirs.to_dict()
+        # Compared as JSON, which is how the recorded one was written (a tuple parameter reads back as a list).
+        mine, ours = json.loads(json.dumps(spec.to_dict())), theirs.to_dict()
         diff = {k: (ours[k], mine[k]) for k in mine if mine[k] != ours[k]}
         if their_count != count:
             diff["shards"] = (their_count, count)

@@ -110,7 +110,7 @@ def test_kvcomp_grid_launcher_merges_at_the_end(launcher, single, tmp_path, caps
     assert len(_worker_pids(out, 2)) == 2
     assert_same_as_single(out, single)
     assert main(["grid", "diff", str(out), str(single)]) == 0
-    assert "40 of 40 records identical" in capsys.readouterr().out  # 36 records + 4 reference rows
+    assert "48 of 48 records identical" in capsys.readouterr().out  # 36 records + 12 reference rows
     if launcher == "local":
         assert (shard_dir(out, Shard(1, 2)) / "worker.log").is_file()
     # Rerunning resumes every shard (nothing to do) and merges the same records again.
