@@ -711,13 +711,21 @@ def _run_grid(model, tokenizer, task_samples: Task, resolved: dict[str, Compress
             _append(paths[label], [record])
         del pre
 
-    summaries = {}
-    for label, path in paths.items():
-        # The samples of this task only: a directory may hold more, from an earlier, larger run.
-        summaries[label] = {**summarize(task_records(path, task_samples)), "task": task_samples.name,
-                            "length": task_samples.config.get("length"), "run_dir": str(path.parent)}
-        files.write_text(path.parent / "summary.json", json.dumps(_jsonable(summaries[label]), indent=2) + "\n")
-    return summaries
+    return {label: write_summary(path.parent, task_samples.name, task_samples.config.get("length"), task_samples)
+            for label, path in paths.items()}
+
+
+def write_summary(run_dir: str | os.PathLike, task: str, length: int | None,
+                  task_samples: Task | None = None) -> dict[str, Any]:
+    """Write ``run_dir/summary.json`` from ``run_dir/results.jsonl`` as :func:`run_grid` does for each label
+    (the sharded grid's merge writes its files with it too); returns the summary. With ``task_samples``, over
+    those samples only (a resumed directory may hold more, from an earlier, larger run)."""
+    run_dir = Path(run_dir)
+    path = run_dir / "results.jsonl"
+    records = task_records(path, task_samples) if task_samples is not None else load_records(path)
+    summary = {**summarize(records), "task": task, "length": length, "run_dir": str(run_dir)}
+    files.write_text(run_dir / "summary.json", json.dumps(_jsonable(summary), indent=2) + "\n")
+    return summary
 
 
 def _records(task_samples: Task, batch: list[Sample], out: _Batch, config: dict, mode: str,

@@ -1,4 +1,4 @@
-"""The ``kvcomp`` command: list, generate, demo, grid, run, report, calibrate, bench."""
+"""The ``kvcomp`` command: list, generate, demo, grid (and grid merge), run, report, export, calibrate, bench."""
 
 from __future__ import annotations
 
@@ -108,20 +108,94 @@ def _demo(args) -> int:
 
 def _grid(args) -> int:
     from experiments.bench import parse_spec
-    from experiments.grid import OFFLINE_RULER, run_table
+    from experiments.grid import OFFLINE_RULER, check_modes, run_table
     from kvcomp.registry import get
 
     for name in [*args.compressors, *(parse_spec(s)[0] for s in args.configs)]:
         get(name)  # an unknown name fails before the model loads
-    model, tokenizer = _load(args)
+    check_modes(args.modes)
+    params = dict(_parse_param(p) for p in args.param)
+    if args.launcher or args.shard:
+        return _sharded_grid(args, params)
+    if args.threads_per_worker:
+        import torch
+
+        torch.set_num_threads(args.threads_per_worker)
+    from experiments.shard import Shard, pick_device
+    from kvcomp import load_model
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=pick_device(args.device, Shard(0, 1)))
     files = run_table(model, tokenizer, tasks=args.tasks or OFFLINE_RULER, lengths=args.lengths,
                       samples=args.samples, compressors=args.compressors, ratios=args.ratios, modes=args.modes,
-                      out_dir=args.out, params=dict(_parse_param(p) for p in args.param),
-                      max_new_tokens=args.max_new_tokens, seed=args.seed, configs=tuple(args.configs))
+                      out_dir=args.out, params=params, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                      configs=tuple(args.configs))
+    _print_grid(files)
+    return 0
+
+
+def _print_grid(files: dict) -> None:
     print(files["scores_md"].read_text())
     for kind, path in files.items():
         print(f"{kind:20s} {path}")
+
+
+def _sharded_grid(args, params: dict) -> int:
+    from experiments.grid import OFFLINE_RULER
+    from experiments.launchers import LaunchOptions, ShardsFailed, launch
+    from experiments.merge import ShardMergeError, merge_shards
+    from experiments.shard import GridMismatch, GridSpec, Shard, run_shard
+
+    spec = GridSpec(tasks=args.tasks or OFFLINE_RULER, lengths=args.lengths, samples=args.samples,
+                    compressors=args.compressors, ratios=args.ratios, modes=args.modes, params=params,
+                    configs=tuple(args.configs),
+                    max_new_tokens=args.max_new_tokens, seed=args.seed, model=args.model, dtype=args.dtype)
+    threads = args.threads_per_worker or 1
+    try:
+        if args.shard:
+            if args.launcher:
+                raise ValueError("--shard runs one shard in this process; it does not go with --launcher.")
+            shard = Shard.parse(args.shard)
+            status = run_shard(args.out, spec, shard, device=args.device, threads=threads, progress=True)
+            print(f"shard {shard.index}/{shard.count} complete in {status['wall_seconds']:.1f} s. When every shard "
+                  f"is, run: kvcomp grid merge {args.out}")
+            return 0
+        launch(args.out, spec, LaunchOptions(
+            launcher=args.launcher, workers=args.workers, threads=threads, device=args.device,
+            gpus_per_worker=args.gpus_per_worker, ray_address=args.ray_address,
+            submitit_cluster=args.submitit_cluster,
+            submitit_params=dict(_parse_param(p) for p in args.submitit_param)))
+        merged = merge_shards(args.out)
+    except (GridMismatch, ShardsFailed, ShardMergeError, ValueError) as err:
+        print(f"kvcomp grid: {err}", file=sys.stderr)
+        return 2
+    print(f"merged {merged['records']} records of {args.workers} shards into {len(merged['runs'])} runs")
+    _print_grid(merged["files"])
     return 0
+
+
+def _grid_merge(args) -> int:
+    from experiments.merge import ShardMergeError, merge_shards
+    from experiments.shard import GridMismatch
+
+    try:
+        merged = merge_shards(args.dir)
+    except (FileNotFoundError, GridMismatch, ShardMergeError) as err:
+        print(f"kvcomp grid merge: {err}", file=sys.stderr)
+        return 2
+    print(f"merged {merged['records']} records into {len(merged['runs'])} runs under {args.dir}")
+    _print_grid(merged["files"])
+    return 0
+
+
+def _grid_diff(args) -> int:
+    from experiments.merge import compare_grids
+
+    result = compare_grids(*args.dirs)
+    print(f"{result['identical']} of {result['records']} records identical (timing fields aside) in "
+          f"{result['files']} files")
+    for rel in result["differ"]:
+        print(f"differs: {rel}")
+    return 0 if not result["differ"] else 1
 
 
 def _run(args) -> int:
@@ -143,6 +217,20 @@ def _report(args) -> int:
         return 2
     for kind, path in files.items():
         print(f"{kind:20s} {path}")
+    return 0
+
+
+def _export(args) -> int:
+    from experiments.kvpress_format import KvpressFormatError, export_kvpress
+
+    try:
+        written = export_kvpress(args.dirs, args.out)
+    except (FileNotFoundError, KvpressFormatError) as err:
+        print(f"kvcomp export: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    print(f"{len(written)} kvpress evaluation directories under {args.out}")
     return 0
 
 
@@ -231,7 +319,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's own cap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/grid")
+    p.add_argument("--device", default="cpu", help="cpu, cuda (several GPUs: one per worker), cuda:N or auto")
+    p.add_argument("--launcher", choices=["local", "joblib", "ray", "submitit"], default=None,
+                   help="split the samples over --workers workers on this engine, then merge (default: one process)")
+    p.add_argument("--workers", type=int, default=2, help="shards (workers) with --launcher")
+    p.add_argument("--threads-per-worker", type=int, default=None,
+                   help="torch threads of each worker (default 1), or of the one process without --launcher")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="run only shard I of N (0-based) in this process, for any scheduler; then `grid merge`")
+    p.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs requested per worker (ray, submitit)")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to connect to ('auto': the one `ray start` runs here); default: a local one")
+    p.add_argument("--submitit-cluster", choices=["slurm", "local"], default=None,
+                   help="default: Slurm where sbatch exists, else local processes")
+    p.add_argument("--submitit-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="submitit executor parameter, e.g. slurm_partition=gpu, timeout_min=600 (repeatable)")
     p.set_defaults(func=_grid)
+    grid_sub = p.add_subparsers(dest="grid_command", required=False, metavar="{merge,diff}")
+    m = grid_sub.add_parser("merge", help="merge the shards of a sharded grid into the files one process writes")
+    m.add_argument("dir", help="the grid's --out directory (holding shards/)")
+    m.set_defaults(func=_grid_merge)
+    d = grid_sub.add_parser("diff", help="are two grids' records identical (timings aside)?")
+    d.add_argument("dirs", nargs=2, metavar="DIR")
+    d.set_defaults(func=_grid_diff)
 
     # Hydra parses run's arguments itself (main() hands them over before argparse sees them).
     p = sub.add_parser("run", help="one evaluation run, or a sweep with -m (Hydra); see experiments/README")
@@ -239,9 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_run)
 
     p = sub.add_parser("report", help="tables (CSV, Markdown) and plots from run or sweep directories")
-    p.add_argument("dirs", nargs="+", help="run directories, sweeps, or trees of them (with summary.json)")
+    p.add_argument("dirs", nargs="+",
+                   help="run directories, sweeps, grids, kvpress evaluation directories, or trees of them")
     p.add_argument("--out", default="reports/latest", help="where report.csv, report.md and the PNGs go")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("export", help="write runs in kvpress's evaluation layout (kvcomp report reads it back)")
+    p.add_argument("dirs", nargs="+", help="run directories, grids, sweeps or trees of them")
+    p.add_argument("--format", choices=["kvpress"], default="kvpress")
+    p.add_argument("--out", required=True, help="where the <dataset>__<length>__<model>__<press>__<ratio> dirs go")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("calibrate", help="fit a method's calibration artifact (kvtc: PCA bases and bit tables)")
     p.add_argument("method", choices=["kvtc"])

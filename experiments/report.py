@@ -1,12 +1,14 @@
 """Aggregate run directories into a table and plots: ``kvcomp report DIR [DIR...] --out OUT``.
 
 Finds every ``summary.json`` under the given directories (a run directory of ``experiments.run``, a sweep,
-or a tree of sweeps), reads its ``config.yaml`` when present, and writes to ``OUT``:
+a grid, or a tree of them) and every kvpress evaluation directory (:mod:`experiments.kvpress_format`, one
+run per task), and writes to ``OUT``:
 
 * ``report.csv`` and ``report.md``: one row per run (task, length, compressor, ratio, mode, score,
-  memory_factor, fidelity, seconds per sample);
+  memory_factor, fidelity, seconds per sample), each score with its 95% bootstrap interval over the samples
+  and paired tests against the uncompressed run and the best other method (:mod:`experiments.confidence`);
 * ``score_vs_memory.png``: score vs memory_factor, one panel per task, one curve per compressor and mode,
-  the Pareto front (no other run is both smaller and better) marked;
+  the Pareto front (no other run is both smaller and better) marked, error bars = the 95% intervals;
 * ``fidelity_vs_memory.png``: exact-match rate with the uncompressed output vs memory_factor;
 * ``time_per_sample.png``: prefill and decode seconds per sample of each run.
 
@@ -29,13 +31,18 @@ from kvcomp import files
 COLUMNS = [
     "task", "length", "compressor", "compression_ratio", "budget", "mode", "label", "n", "score",
     "memory_factor", "exact_match_rate", "mean_first_divergence", "agreement", "kept_tokens",
-    "context_length", "prefill_seconds", "decode_seconds", "model", "dtype", "run_dir",
+    "context_length", "prefill_seconds", "decode_seconds", "model", "dtype", "source", "run_dir",
 ]  # fmt: skip
 MODE_SHORT = {"query_aware": "aware", "query_agnostic": "agnostic"}
 
 
 def find_runs(paths: Iterable[str | Path]) -> list[Path]:
-    """Run directories (those holding ``summary.json``) under ``paths``, sorted, without duplicates."""
+    """Run directories (those holding ``summary.json``) under ``paths``, sorted, without duplicates.
+
+    The shards of a sharded grid (directories holding ``shard.json``) below a given path are skipped: their
+    merge is the grid's runs. A path inside a shard is read as given."""
+    from experiments.shard import SHARD_MARKER
+
     runs = set()
     for p in paths:
         p = Path(p)
@@ -43,7 +50,10 @@ def find_runs(paths: Iterable[str | Path]) -> list[Path]:
             raise FileNotFoundError(f"{p}: no such directory.")
         if (p / "summary.json").is_file():
             runs.add(p.resolve())
-        runs.update(s.parent.resolve() for s in p.rglob("summary.json"))
+        for s in p.rglob("summary.json"):
+            between = s.parent.relative_to(p).parents  # p/a/b/run -> a/b/run, a/b, a, .
+            if not any((p / d / SHARD_MARKER).is_file() for d in between if str(d) != "."):
+                runs.add(s.parent.resolve())
     return sorted(runs)
 
 
@@ -72,16 +82,37 @@ def _row(run_dir: Path) -> dict[str, Any]:
         "mode": mode,
         "label": label,
         **{k: s.get(k) for k in COLUMNS if k in s and k not in ("task", "length", "mode", "compressor")},
+        "source": "kvcomp",
         "run_dir": str(run_dir),
     }
 
 
-def collect(paths: Iterable[str | Path] | str | Path) -> pd.DataFrame:
-    """One row per run directory found under ``paths`` (columns: :data:`COLUMNS`)."""
+def run_samples(run_dir: Path) -> dict[str, dict]:
+    """Sample id -> ``{"score", "exact_match"}`` of a run directory's records."""
+    from eval.runner import load_records
+
+    return {r["id"]: {"score": r["score"], "exact_match": r.get("exact_match")}
+            for r in load_records(run_dir / "results.jsonl")}
+
+
+def collect(paths: Iterable[str | Path] | str | Path, confidence: bool = True) -> pd.DataFrame:
+    """One row per run found under ``paths``: kvcomp run directories, and kvpress evaluation directories
+    (one row per task, :mod:`experiments.kvpress_format`). Columns: :data:`COLUMNS`, then with
+    ``confidence`` the intervals and paired tests of :mod:`experiments.confidence`."""
+    from experiments.confidence import add_confidence
+    from experiments.kvpress_format import find_kvpress_dirs, read_kvpress_dir
+
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    rows = [_row(d) for d in find_runs(paths)]
+    runs = find_runs(paths)
+    rows, samples = [_row(d) for d in runs], [run_samples(d) for d in runs]
+    for d in find_kvpress_dirs(paths):
+        for row, per_sample in read_kvpress_dir(d):
+            rows.append(row)
+            samples.append(per_sample)
     df = pd.DataFrame(rows, columns=COLUMNS)
+    if confidence:
+        df = add_confidence(df, samples)
     return df.sort_values(["task", "length", "mode", "compressor", "compression_ratio"], na_position="first")
 
 
@@ -132,7 +163,13 @@ def _panels(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return [(k, df[key == k]) for k in sorted(key.unique())]
 
 
+# The interval columns (experiments.confidence) drawn as error bars on each plotted value.
+INTERVALS = {"score": ("score_ci_low", "score_ci_high"),
+             "exact_match_rate": ("exact_match_ci_low", "exact_match_ci_high")}
+
+
 def _curves(ax, sub: pd.DataFrame, y: str, colors: dict[str, str]) -> None:
+    low, high = INTERVALS.get(y, (None, None))
     for label, g in sub.groupby("label", sort=True):
         g = g[g[y].map(_finite) & g.memory_factor.map(_finite)].sort_values("memory_factor")
         if g.empty:
@@ -146,6 +183,12 @@ def _curves(ax, sub: pd.DataFrame, y: str, colors: dict[str, str]) -> None:
             color=colors[label],
             markersize=9 if style == "*" else 5,
         )
+        if low in g and high in g:
+            ok = g[g[low].map(_finite) & g[high].map(_finite)]
+            if not ok.empty:  # 95% bootstrap interval over the samples
+                yerr = [(ok[y] - ok[low]).clip(lower=0), (ok[high] - ok[y]).clip(lower=0)]
+                ax.errorbar(ok.memory_factor, ok[y], yerr=yerr, fmt="none", ecolor=colors[label], elinewidth=1,
+                            capsize=3, alpha=0.7)
 
 
 def _colors(df: pd.DataFrame) -> dict[str, str]:
@@ -177,7 +220,8 @@ def _finish_axes(ax, title: str, xlabel: str, ylabel: str) -> None:
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a panel can be empty (kvpress measures no exact match)
+        ax.legend(fontsize=7)
 
 
 def _save(fig, path: Path) -> Path:
@@ -235,26 +279,66 @@ def plot_time_per_sample(df: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path)
 
 
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def _interval(row, low: str, high: str, digits: int = 0) -> str:
+    lo, hi = row.get(low), row.get(high)
+    return "-" if not (_finite(lo) and _finite(hi)) else f"[{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def _versus(row, prefix: str, name: str | None = None) -> str:
+    """``-20.0 (p=0.031)*`` or ``+5.0 (p=1) n.s.``: the paired difference, its p-value and the mark."""
+    from experiments.confidence import significance_mark
+
+    p = row.get(f"{prefix}_p")
+    if not _finite(p):
+        return "-"
+    who = f" vs {name}" if name else ""
+    mark = significance_mark(row.get(f"{prefix}_significant"), p)
+    return f"{row[f'{prefix}_diff']:+.1f}{who} (p={p:.2g}){mark}"
+
+
 def to_markdown(df: pd.DataFrame) -> str:
-    cols = [c for c in COLUMNS if c not in ("run_dir", "model", "dtype", "label", "budget")]
+    """One row per run; with the confidence columns (:func:`collect`), the score's interval and the paired
+    comparisons against uncompressed and the best other method, marked significant (*) or not (n.s.)."""
+    from experiments.confidence import LEGEND
 
-    def fmt(v) -> str:
-        if v is None or (isinstance(v, float) and math.isnan(v)):
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-        return str(v)
-
+    confidence = "score_ci_low" in df
+    cols = [c for c in COLUMNS if c not in ("run_dir", "model", "dtype", "label", "budget", "source")]
+    if "source" in df and (df["source"] != "kvcomp").any():
+        cols.insert(0, "source")
+    if confidence:
+        at = cols.index("score") + 1
+        cols[at:at] = ["score 95% CI", "vs none", "vs best other"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df[cols].itertuples(index=False)]
-    return "\n".join(lines) + "\n"
+    for _, row in df.iterrows():
+        cells = []
+        for c in cols:
+            if c == "score 95% CI":
+                cells.append(_interval(row, "score_ci_low", "score_ci_high", 1))
+            elif c == "vs none":
+                cells.append(_versus(row, "vs_none"))
+            elif c == "vs best other":
+                cells.append(_versus(row, "vs_best", row.get("best_other")))
+            else:
+                cells.append(_fmt(row[c]))
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    return (LEGEND + "\n\n" + text) if confidence else text
 
 
 def make_report(paths: Sequence[str | Path], out_dir: str | Path) -> dict[str, Path]:
     """Write the CSV, Markdown table and plots of the runs under ``paths`` into ``out_dir``."""
     df = collect(paths)
     if df.empty:
-        raise FileNotFoundError(f"No run directories (summary.json) under {', '.join(map(str, paths))}.")
+        raise FileNotFoundError(f"No run directories (summary.json) or kvpress evaluation directories "
+                                f"(predictions.csv, metrics.json) under {', '.join(map(str, paths))}.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = {"csv": out / "report.csv", "markdown": out / "report.md"}

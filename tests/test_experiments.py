@@ -118,8 +118,12 @@ def test_report_writes_table_and_plots(sweep, tmp_path, capsys):
         (c, r) for c in COMPRESSORS for r in RATIOS
     }
     assert all(r["label"].endswith("(agnostic)") and float(r["memory_factor"]) > 1 for r in rows)
-    table = (out / "report.md").read_text().splitlines()
+    text = (out / "report.md").read_text()
+    assert text.startswith("Intervals: 95% percentile bootstrap")  # the legend of the confidence columns
+    table = [line for line in text.splitlines() if line.startswith("|")]
     assert len(table) == 2 + 4 and "memory_factor" in table[0] and "query_agnostic" in table[2]
+    assert "| score 95% CI | vs none | vs best other |" in table[0]
+    assert all(float(r["score_ci_low"]) <= float(r["score"]) <= float(r["score_ci_high"]) for r in rows)
     for png in ("score_vs_memory.png", "fidelity_vs_memory.png", "time_per_sample.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png

@@ -202,6 +202,7 @@ def test_resident_bytes_match_the_formula(make):
     assert sum(t.numel() * t.element_size() for t in c.summary_tensors(state.summary)) == summary
     recent = 200 - 4 - summarized
     fetch = 2 * b * h * 3 * c.unit * d * s  # the outstanding prefetch buffer
+    fetch += b * h * 3 * 8  # and its int64 unit index
     prev_q = b * h * 2 * d * s
     full_res = 2 * b * h * (4 + recent) * d * s
     assert c.nbytes(state) == {"device": summary + full_res + fetch + prev_q + 2 * b * h * 200 * d * s,
