@@ -12,6 +12,7 @@ holding that layer's KV in whatever form it stores it; the framework (``kvcomp.c
 ``after_attend(layer, state, ctx)``            after each forward's attention: evict what it has decided
 ``checkpoint(state)`` / ``rollback(state, s)``  snapshot a state / restore it (undo what was appended since)
 ``nbytes(state)``                              resident bytes per tier
+``restored(layer, state)``                     a state read back from a store, before it serves (optional)
 =============================================  ===============================================================
 
 Shapes: ``q`` is ``[B, H_q, n, D]``; ``k``/``v`` are ``[B, H_kv, n, D]`` (one entry per KV head, never per
@@ -187,6 +188,12 @@ class Compressor:
 
     def nbytes(self, state: Any) -> dict[str, int]:
         raise NotImplementedError
+
+    def restored(self, layer: int, state: Any) -> Any:
+        """The state, ready to serve, after it came back from a store (:mod:`kvcomp.contexts`) bit-identical to
+        the one :meth:`prefill` built: a method whose stored form is not its working form does the conversion
+        here, once (KVTC decodes its coded blocks; retrieval restarts its prefetch). Default: unchanged."""
+        return state
 
     def stored_tokens(self, state: Any) -> torch.Tensor:
         """``[B, H_kv]`` tokens the state holds per row and KV head (for budgets and reports)."""
