@@ -254,12 +254,13 @@ class KVTC(Compressor):
         pos, codes = tc.decode_blocks(state.blocks, codec["segments"], n_max)
         return torch.from_numpy(pos).to(device), torch.from_numpy(codes).to(device)
 
-    def restored(self, layer, state: KVTCState) -> KVTCState:
-        """A state read back from a store holds the coded blocks as they were stored: entropy-decode them once
-        here (when every row and head holds the same number of blocks, the usual case) instead of at every
-        decode step. Output is unchanged (the same codes); resident bytes grow by the decoded codes."""
+    def restored(self, layer, state: KVTCState, convert: bool = True) -> KVTCState:
+        """A state read back from a store holds the coded blocks as they were stored: with ``convert``,
+        entropy-decode them once here (when every row and head holds the same number of blocks, the usual case)
+        instead of at every decode step. Output is unchanged (the same codes); resident bytes grow by the
+        decoded codes (uint8, a quarter of float32 K/V)."""
         counts = {len(blocks) for row in state.blocks for blocks in row}
-        if state.decoded is None and len(counts) == 1 and max(counts) > 0:
+        if convert and state.decoded is None and len(counts) == 1 and max(counts) > 0:
             device = state.window.keys.device
             codec = self.codec(layer, state.window.keys.dtype, device)
             pos, codes = tc.decode_blocks(state.blocks, codec["segments"], max(counts))

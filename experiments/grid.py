@@ -41,11 +41,13 @@ def spec_label(spec: str) -> str:
 
 def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ratios, modes, out_dir,
               params: dict | None = None, max_new_tokens: int | None = None, seed: int = 0,
-              progress: bool = True, configs: tuple[str, ...] = ()) -> dict[str, Path]:
+              progress: bool = True, configs: tuple[str, ...] = (), store: str | None = None) -> dict[str, Path]:
     """Run the grid into ``out_dir`` and write the report; returns the report's files.
 
     ``compressors`` x ``ratios`` (with ``params`` for each), plus ``configs``: compressors given as
-    ``name:key=value,...`` specs (``quant:bits=4``, ``kvtc:compression_factor=8``), each its own column."""
+    ``name:key=value,...`` specs (``quant:bits=4``, ``kvtc:compression_factor=8``), each its own column.
+    ``store``: a store URL where each sample's compressed prefills are kept and reused across runs and machines
+    (:func:`eval.runner.run_grid`)."""
     positive_int("samples", samples, owner="kvcomp grid", error=UsageError)
     for length in lengths:
         positive_int("length", length, owner="kvcomp grid", error=UsageError)
@@ -55,11 +57,11 @@ def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ra
         raise ValueError(f"Unknown mode(s) {unknown}; use {list(MODES)}.")
     with files.lock_run_dir(out_dir, "kvcomp grid"):
         return _run_table(model, tokenizer, tasks, lengths, samples, compressors, ratios, modes, out_dir, params,
-                          max_new_tokens, seed, progress, configs)
+                          max_new_tokens, seed, progress, configs, store)
 
 
 def _run_table(model, tokenizer, tasks, lengths, samples, compressors, ratios, modes, out_dir: Path, params,
-               max_new_tokens, seed, progress, configs=()) -> dict[str, Path]:
+               max_new_tokens, seed, progress, configs=(), store=None) -> dict[str, Path]:
     grid = {"none": None}
     for name in compressors:
         for ratio in ratios:
@@ -78,7 +80,8 @@ def _run_table(model, tokenizer, tasks, lengths, samples, compressors, ratios, m
                 continue
             for mode in modes:
                 run_dir = files.make_dirs(out_dir / name.replace("/", "_") / f"L{length}" / mode, out_dir)
-                run_grid(model, tokenizer, bench, grid, query_aware=MODES[mode], out_dir=run_dir, progress=progress)
+                run_grid(model, tokenizer, bench, grid, query_aware=MODES[mode], out_dir=run_dir, progress=progress,
+                         store=store)
     written = make_report([out_dir], files.make_dirs(out_dir / "report", out_dir))
     written.update(score_table(out_dir / "report"))
     return written

@@ -12,7 +12,7 @@ holding that layer's KV in whatever form it stores it; the framework (``kvcomp.c
 ``after_attend(layer, state, ctx)``            after each forward's attention: evict what it has decided
 ``checkpoint(state)`` / ``rollback(state, s)``  snapshot a state / restore it (undo what was appended since)
 ``nbytes(state)``                              resident bytes per tier
-``restored(layer, state)``                     a state read back from a store, before it serves (optional)
+``restored(layer, state, convert)``            a state read back from a store, before it serves (optional)
 =============================================  ===============================================================
 
 Shapes: ``q`` is ``[B, H_q, n, D]``; ``k``/``v`` are ``[B, H_kv, n, D]`` (one entry per KV head, never per
@@ -189,10 +189,12 @@ class Compressor:
     def nbytes(self, state: Any) -> dict[str, int]:
         raise NotImplementedError
 
-    def restored(self, layer: int, state: Any) -> Any:
+    def restored(self, layer: int, state: Any, convert: bool = True) -> Any:
         """The state, ready to serve, after it came back from a store (:mod:`kvcomp.contexts`) bit-identical to
-        the one :meth:`prefill` built: a method whose stored form is not its working form does the conversion
-        here, once (KVTC decodes its coded blocks; retrieval restarts its prefetch). Default: unchanged."""
+        the one :meth:`prefill` built: what a live state has beyond its stored form is restarted here
+        (retrieval: the prefetch for the first step). ``convert``: a method whose stored form is not its
+        fastest working form may convert it, once, changing resident bytes but never the output (KVTC decodes
+        its coded blocks); ``False`` keeps the state exactly as built in-process. Default: unchanged."""
         return state
 
     def stored_tokens(self, state: Any) -> torch.Tensor:

@@ -473,6 +473,7 @@ class LoadedContext:
     device: torch.device
     load_seconds: float
     bytes_read: int
+    convert: bool = True  # Compressor.restored(convert=...): KVTC decodes its blocks once (faster, more bytes)
     _blobs: list[bytes] = field(repr=False, default_factory=list)
     _first: Any = field(repr=False, default=None)
 
@@ -521,7 +522,7 @@ class LoadedContext:
             state = record["state"]
             if _has_tier_slot(state):  # a retrieval state: its own tier over its layer's stored full KV
                 _plug(state, self.full_kv_tier(layers=[layer.layer_idx]), self.device)
-            layer.state = layer.compressor.restored(layer.layer_idx, state)
+            layer.state = layer.compressor.restored(layer.layer_idx, state, self.convert)
         return cache
 
     def new_cache(self, model):
@@ -559,13 +560,14 @@ class LoadedContext:
                               load_seconds=self.load_seconds, from_store=True)
 
 
-def load_context(model, key: str, store: str | Store | None = None, compressor: Compressor | None = None
-                 ) -> LoadedContext:
+def load_context(model, key: str, store: str | Store | None = None, compressor: Compressor | None = None,
+                 convert: bool = True) -> LoadedContext:
     """Read, check and decode the stored context ``key``: the manifest first (model, version, format and
     compressor are checked before any state is read), then the states layer by layer (each part checked
     against its digest), then a ready cache is built. The full KV (if stored) is not read here: lossless
     decoding and retrieval read it from the store as they need it. Raises :mod:`kvcomp.store` errors; nothing
-    half-loaded is returned."""
+    half-loaded is returned. ``convert=False`` keeps every state exactly in the form the in-process cache has
+    (KVTC then entropy-decodes at every step, as it does in-process, and reports the same resident bytes)."""
     from kvcomp.attention import check_supported
 
     check_supported(model)
@@ -589,24 +591,52 @@ def load_context(model, key: str, store: str | Store | None = None, compressor: 
         blobs.append(blob)
         states.append(decode_state(blob, device))
     loaded = LoadedContext(key, store, manifest, compressor, prompt["logits"], prompt["mask"], prompt["ids"],
-                           torch.device(device), 0.0, read, blobs)
+                           torch.device(device), 0.0, read, convert, blobs)
     loaded._first = loaded._build(model, states)
     loaded.load_seconds = time.perf_counter() - t0
     return loaded
 
 
 def load_or_save(model, pre_fn, compressor: Compressor | None, store: str | Store, key: str,
-                 full_kv: bool = False, template: dict | None = None) -> tuple[LoadedContext, bool]:
+                 full_kv: bool = False, template: dict | None = None, convert: bool = True
+                 ) -> tuple[LoadedContext, bool]:
     """The stored context ``key``, or, when it is missing, evicted or unreadable, a recompute: ``pre_fn()`` (a
     :func:`kvcomp.shared_prefill.prefill`) saved under ``key`` and loaded back. Returns ``(context, recomputed)``.
     Errors that a recompute cannot fix (the server is down, an entry of another model under ``key``) raise."""
     store = open_store(store)
     try:
-        return load_context(model, key, store, compressor), False
+        return load_context(model, key, store, compressor, convert), False
     except (KeyMissing, KeyEvicted):
         pass
     save_prefilled(model, pre_fn(), compressor, store, key, full_kv, template)
-    return load_context(model, key, store, compressor), True
+    return load_context(model, key, store, compressor, convert), True
+
+
+def continue_stored(model, parts, query_aware: bool, compressor: Compressor | None, store: str | Store, pre_fn,
+                    max_new_tokens: int, pad_id: int = 0, stop_ids: set[int] | None = None,
+                    chat_template: bool = True) -> tuple[list[list[int]], dict[str, Any]]:
+    """:func:`kvcomp.shared_prefill.continue_from` through a store: the prefilled block of ``parts`` (the context,
+    or query-aware the whole prompt) compressed by ``compressor`` is loaded from ``store`` when it is there (no
+    prefill), else ``pre_fn()`` is saved there first. Token-identical either way, resident bytes too (states
+    are loaded as built, ``convert=False``). Statistics add ``from_store``, ``recomputed``, ``context_key``."""
+    rows = [p.context_ids + (p.question_ids if query_aware else []) for p in parts]
+    qlen = [len(p.question_ids) for p in parts] if query_aware and any(p.question_ids for p in parts) else None
+    key = context_key(model, rows, compressor, query_aware, qlen)
+    template = {"chat_template": chat_template, "system_prompt": None, "template": parts[0].template}
+    seconds = []
+
+    def prefilled():
+        pre = pre_fn()
+        seconds.append(pre.seconds)
+        return pre
+
+    loaded, recomputed = load_or_save(model, prefilled, compressor, store, key, template=template, convert=False)
+    rest = None if query_aware else [p.question_ids for p in parts]
+    out, stats = loaded.continue_ids(model, rest, max_new_tokens, pad_id, stop_ids)
+    stats.update(recomputed=recomputed, context_key=key, compress_seconds=stats["build_seconds"],
+                 shared_prefill_seconds=seconds[0] if seconds else 0.0,
+                 prefill_seconds=stats["prefill_seconds"] + loaded.load_seconds + sum(seconds))
+    return out, stats
 
 
 # -- answering from a stored context ----------------------------------------------------------------------------

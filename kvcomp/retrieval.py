@@ -313,7 +313,7 @@ class Retrieval(Compressor):
             slow[kind] = slow.get(kind, 0) + n
         return {**slow, "device": device + slow["device"]}
 
-    def restored(self, layer, state: RetrievalState) -> RetrievalState:
+    def restored(self, layer, state: RetrievalState, convert: bool = True) -> RetrievalState:
         """A state read back from a store (its tier now a :class:`kvcomp.store.StoreTier` over the stored full
         KV): restart the prefetch the prefill had submitted for the first decode step."""
         if self.speculative and state.pending_units is not None:
