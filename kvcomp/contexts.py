@@ -437,9 +437,9 @@ def _check_meta(meta: dict[str, Any], model, key: str, url: str) -> None:
     if meta.get("kvcomp") != KVCOMP_VERSION:
         refuse(f"by kvcomp {meta.get('kvcomp')} (this is kvcomp {KVCOMP_VERSION})")
     fp, mine = meta.get("model") or {}, model_fingerprint(model)
-    for field_name, what in (("config_sha256", "configuration"), ("weights_sha256", "weights"), ("dtype", "dtype")):
+    for field_name, what in (("dtype", "dtype"), ("config_sha256", "configuration"), ("weights_sha256", "weights")):
         if fp.get(field_name) != mine[field_name]:
-            refuse(f"by another model ({fp.get('name')}: its {what} differs from this model's, {mine['name']})")
+            refuse(f"by another model ({fp.get('name')}; its {what} does not match this model's, {mine['name']})")
 
 
 def _check_compressor(stored: dict | None, compressor: Compressor | None, model, key: str) -> None:

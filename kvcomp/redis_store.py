@@ -80,7 +80,7 @@ class RedisStore(Store):
                 f"the Redis store {self.url} is unreachable while {what} ({type(err).__name__}: {err}). Start the "
                 "server or check the URL; nothing half-read was used.")) from None
         except r.ResponseError as err:
-            if str(err).startswith("OOM"):
+            if str(err).startswith("OOM") or "maxmemory" in str(err):
                 raise StoreFull(f"store full: the Redis server {self.url} is at its maxmemory while {what} ({err}); "
                                 "nothing of the entry was kept. Delete entries (kvcomp store rm), raise maxmemory, "
                                 "or use another store.", self.url) from None
@@ -179,3 +179,88 @@ class RedisStore(Store):
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+# -- a local server for tests and benchmarks ------------------------------------------------------------------
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalServer:
+    """Debian's ``redis-server`` on 127.0.0.1 and a free port, for tests and benchmarks: no persistence (no RDB,
+    no AOF), its working files in ``directory``, killed when this process dies (``PR_SET_PDEATHSIG``, so not even
+    a SIGKILL of the parent leaves it running) and stopped by :meth:`stop` or ``with``. ``extra``: more
+    redis-server options (``"--maxmemory", "2mb"``)."""
+
+    def __init__(self, directory, *extra: str, binary: str | None = None):
+        import shutil
+        import socket
+        import subprocess
+        import time
+        from pathlib import Path
+
+        binary = binary or shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError(errno.ENOENT, "redis-server is not installed: run `make redis` "
+                                                  "(apt-get install -y redis-server).")
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        last = ""
+        for _ in range(5):  # a port found free can be taken before the server binds it: try another
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
+            log = self.dir / "redis.log"  # a file, not a pipe: a pipe nobody reads would block the server
+            with open(log, "ab") as out:
+                self.proc = subprocess.Popen(
+                    [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes", "--save",
+                     "", "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning",
+                     *extra], stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if self.client().ping():
+                        return
+                except Exception:
+                    time.sleep(0.05)
+            self.stop()
+            last = log.read_text(errors="replace")
+        raise RuntimeError(f"redis-server did not start: {last[-2000:]}")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed or OOM-killed server."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -51,6 +51,7 @@ SIGKILL leaves.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -536,17 +537,27 @@ class DirectoryStore(Store):
         _write_file(os.path.join(path, "manifest.json"), manifest.to_bytes())
         target = self._entry_dir(manifest.key)
         os.remove(os.path.join(path, _OWNER))
-        try:
-            os.rename(path, target)
-        except OSError as err:
-            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            trash = self._tmp_dir(uuid.uuid4().hex)
-            os.rename(target, trash)  # readers of the old generation now find nothing, never a mix
-            os.rename(path, target)
-            shutil.rmtree(trash, ignore_errors=True)
+        with self._commit_lock():  # writers of one store publish one at a time (readers never wait)
+            try:
+                os.rename(path, target)
+            except OSError as err:
+                if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                trash = self._tmp_dir(uuid.uuid4().hex)
+                os.rename(target, trash)  # readers of the old generation now find nothing, never a mix
+                os.rename(path, target)
+                shutil.rmtree(trash, ignore_errors=True)
         self._release(manifest.gen)
         return None  # the old generation's parts left with its directory
+
+    @contextlib.contextmanager
+    def _commit_lock(self):
+        fd = os.open(os.path.join(self.root, ".commit.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def _release(self, gen: str) -> None:
         lock = getattr(self, "_locks", {}).pop(gen, None)
@@ -571,7 +582,8 @@ class DirectoryStore(Store):
             return False
         trash = self._tmp_dir(uuid.uuid4().hex)
         try:
-            os.rename(target, trash)
+            with self._commit_lock():
+                os.rename(target, trash)
         except FileNotFoundError:
             return False
         shutil.rmtree(trash, ignore_errors=True)
