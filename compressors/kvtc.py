@@ -19,8 +19,8 @@ codes, and minimises the calibrated squared error. The measured ``memory_factor`
 (sinks and window are uncompressed) and differs from the target by how far zstd is from the entropy.
 
 Bytes. ``nbytes()`` counts the coded blocks (header, positions, codes: ``len()`` of each ``bytes``), the
-full-precision sink and window tensors (K, V, int32 positions) and the ``[B, H_kv]`` int64 count of coded
-tokens. The calibration artifact (bases, means, steps) is shared by every sequence of the model:
+full-precision sink and window tensors (K, V, int32 positions), the ``[B, H_kv]`` int64 count of coded
+tokens and, in a state loaded from a store, its decoded codes. The calibration artifact (bases, means, steps) is shared by every sequence of the model:
 :meth:`KVTC.basis_bytes` reports it once, and it is not in ``nbytes()``.
 
 Decoding. :meth:`KVTC.attend` never materializes the whole reconstructed cache. It entropy-decodes all coded
@@ -34,6 +34,11 @@ decoded is kept between steps, so each decode step entropy-decodes the whole cod
 4K tokens (one thread, shared CPU) a step takes about 0.5-0.6 s against 1.1-1.4 s before this decoding
 and 0.14 s uncompressed; zstd's per-frame cost (~27K small frames a step) and the keys' matmul are its floor.
 :meth:`KVTC.materialize` (for composition after KVTC and for tests) does reconstruct everything at once.
+
+Storage. The coded blocks are KVTC's stored form: a saved context (:mod:`kvcomp.contexts`) keeps them as the
+bytes they are, and :meth:`KVTC.restored` entropy-decodes them once when the context is loaded; the loaded
+state keeps the uint8 codes (``KVTCState.decoded``, counted by ``nbytes()``) and decode steps only turn them
+into floats, decoding only blocks coded after the load.
 
 Composition. Token selection before KVTC (``Compose(SnapKV(0.5), KVTC())``) hands over each KV head's kept
 tokens with their original positions; KVTC codes each row and KV head separately, so heads holding different

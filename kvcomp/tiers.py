@@ -17,7 +17,10 @@ Tiers: :class:`RamTier` (a tensor on any torch device: GPU memory, or RAM on a C
 :class:`HostTier` (host memory, pinned when CUDA is present so copies to the GPU are asynchronous) and
 :class:`DiskTier` (one memory-mapped file per layer under a private temporary directory, extended as tokens are
 appended and deleted by ``free``/``close``, when the tier is garbage-collected, or at interpreter exit; it is
-also a context manager). ``make_tier("ram" | "host" | "disk")`` builds one. Returned tensors are fresh copies on
+also a context manager), and :class:`kvcomp.store.StoreTier`, the kind ``"store"`` (a layer's K/V in a
+:mod:`kvcomp.store`: a directory or a Redis server). ``make_tier(kind, ...)`` builds one from a registry of kinds
+(:func:`register_tier`), so another place for KV bytes (LMCache, Mooncake, S3) is one class in one file, or one
+:class:`kvcomp.store.Store` backend behind the ``"store"`` kind. Returned tensors are fresh copies on
 the tier's ``device`` (the compute device), never views of the storage, so a later write cannot change them.
 
 Where the disk tier's bytes go, and what they are: ``<root>/kvcomp-tier-<pid>-<random>/layer<i>.kv`` with

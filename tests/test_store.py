@@ -25,7 +25,7 @@ import torch
 from helpers import CONTEXTS, QUESTIONS
 
 import kvcomp
-from kvcomp import contexts, store
+from kvcomp import contexts, directory_store, store
 from kvcomp.contexts import load_context, save_context, save_prefilled
 from kvcomp.generation import split_prompt
 from kvcomp.lossless import Lossless
@@ -222,6 +222,29 @@ def test_lossless_decoding_from_redis_is_token_identical_to_uncompressed(tiny, a
                 # (a retrieval drafter reads the same stored full KV for its fetches: counted for each reader)
                 readers = 2 if name in ("freekv", "specache") else 1
                 assert out.resident_bytes["store"] == readers * saved.full_kv_bytes
+
+
+@pytest.mark.parametrize("name", ["snapkv", "quant", "h2o"])
+def test_lossless_from_a_stored_batch_with_ragged_questions_equals_uncompressed(tiny, tmp_path, name):
+    # The first round verifies each row's question block (left-padded, of its own length) with the drafts.
+    model, tokenizer = tiny
+    url = str(tmp_path / "store")
+    texts = [CONTEXTS[0], CONTEXTS[2]]
+    questions = [QUESTIONS[0], QUESTIONS[1] + " And which one is it, precisely?"]
+    saved = save_context(model, tokenizer, texts, compressor=methods.lossy(name), store=url, full_kv=True)
+    ctx = load_context(model, saved.key, url)
+    reference = kvcomp.generate(model, tokenizer, texts, questions, max_new_tokens=12)
+    assert reference.token_ids == [kvcomp.generate(model, tokenizer, t, q, max_new_tokens=12).token_ids[0]
+                                   for t, q in zip(texts, questions)]
+    for tier in ("store", "resident"):
+        out = kvcomp.generate(model, tokenizer, question=questions, context=ctx, max_new_tokens=12,
+                              lossless=Lossless(gamma=3, tier=tier, tier_options={"store": url} if tier == "store"
+                                                else {}))
+        assert out.token_ids == reference.token_ids, tier
+    compressed = kvcomp.generate(model, tokenizer, texts, questions, compressor=methods.lossy(name),
+                                 max_new_tokens=12)
+    assert kvcomp.generate(model, tokenizer, question=questions, context=ctx, max_new_tokens=12).token_ids == \
+        compressed.token_ids
 
 
 def test_uncompressed_decoding_from_the_stored_full_kv_and_a_fresh_store_tier(tiny, redis_session):
@@ -430,7 +453,7 @@ def test_a_full_store_is_a_clear_error_and_keeps_nothing(tiny, tmp_path, redis_f
     small = save_context(model, tokenizer, CONTEXTS[2], compressor=methods.lossy("snapkv"), store=server.url)
     assert open_store(server.url).list() == [small.key]
     # A directory store on a filesystem without room: refused before writing, nothing left.
-    monkeypatch.setattr(store, "_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(directory_store, "_free_bytes", lambda path: 1000)
     url = str(tmp_path / "dir")
     with pytest.raises(StoreFull, match="needs .* bytes for this entry .* 1,000 free"):
         save_context(model, tokenizer, CONTEXTS[2], store=url, key="x")
