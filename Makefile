@@ -7,7 +7,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lint format clean
+.PHONY: setup demo test test-fast lint format clean redis
 
 setup: $(VENV)/.installed
 
@@ -23,11 +23,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/kvcomp demo
 
-test: setup lint
+test: setup lint redis
 	$(PY) -m pytest -q
 
-test-fast: setup
+test-fast: setup redis
 	$(PY) -m pytest -q -m "not real"
+
+# The store tests start their own Redis servers (127.0.0.1, a free port); they need Debian's redis-server.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else \
+	    echo "make: redis-server is missing; install it (apt-get install -y redis-server) and rerun." >&2; exit 1; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -19,8 +19,8 @@ codes, and minimises the calibrated squared error. The measured ``memory_factor`
 (sinks and window are uncompressed) and differs from the target by how far zstd is from the entropy.
 
 Bytes. ``nbytes()`` counts the coded blocks (header, positions, codes: ``len()`` of each ``bytes``), the
-full-precision sink and window tensors (K, V, int32 positions) and the ``[B, H_kv]`` int64 count of coded
-tokens. The calibration artifact (bases, means, steps) is shared by every sequence of the model:
+full-precision sink and window tensors (K, V, int32 positions), the ``[B, H_kv]`` int64 count of coded
+tokens and, in a state loaded from a store, its decoded codes. The calibration artifact (bases, means, steps) is shared by every sequence of the model:
 :meth:`KVTC.basis_bytes` reports it once, and it is not in ``nbytes()``.
 
 Decoding. :meth:`KVTC.attend` never materializes the whole reconstructed cache. It entropy-decodes all coded
@@ -34,6 +34,11 @@ decoded is kept between steps, so each decode step entropy-decodes the whole cod
 4K tokens (one thread, shared CPU) a step takes about 0.5-0.6 s against 1.1-1.4 s before this decoding
 and 0.14 s uncompressed; zstd's per-frame cost (~27K small frames a step) and the keys' matmul are its floor.
 :meth:`KVTC.materialize` (for composition after KVTC and for tests) does reconstruct everything at once.
+
+Storage. The coded blocks are KVTC's stored form: a saved context (:mod:`kvcomp.contexts`) keeps them as the
+bytes they are, and :meth:`KVTC.restored` entropy-decodes them once when the context is loaded; the loaded
+state keeps the uint8 codes (``KVTCState.decoded``, counted by ``nbytes()``) and decode steps only turn them
+into floats, decoding only blocks coded after the load.
 
 Composition. Token selection before KVTC (``Compose(SnapKV(0.5), KVTC())``) hands over each KV head's kept
 tokens with their original positions; KVTC codes each row and KV head separately, so heads holding different
@@ -60,16 +65,25 @@ _DECODE_TOKENS = 1024  # coded tokens reconstructed (as float32) at a time in at
 @dataclass
 class KVTCState:
     """sinks, window: full-precision ``TokenStore`` s (``[B, H_kv, S|W, D]``); blocks[b][h]: coded blocks of
-    row b and KV head h, oldest first, each ``block_size`` tokens; coded_tokens: ``[B, H_kv]`` int64."""
+    row b and KV head h, oldest first, each ``block_size`` tokens; coded_tokens: ``[B, H_kv]`` int64.
+
+    decoded: None, or (after :meth:`KVTC.restored`: a context loaded from a store) the entropy-decoded blocks,
+    ``(positions [B, H_kv, T] int64, codes [2, B, H_kv, T, S] uint8, blocks decoded per row and head)``, kept so
+    that decode steps do not entropy-decode the whole layer again; blocks coded later are decoded as they come.
+    Its bytes are resident and counted by :meth:`KVTC.nbytes`."""
 
     layer: int
     sinks: TokenStore
     blocks: list[list[list[bytes]]]
     coded_tokens: torch.Tensor
     window: TokenStore
+    decoded: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def coded_bytes(self) -> int:
         return sum(len(f) for row in self.blocks for head in row for f in head)
+
+    def decoded_bytes(self) -> int:
+        return 0 if self.decoded is None else sum(t.numel() * t.element_size() for t in self.decoded[:2])
 
 
 @dataclass
@@ -217,9 +231,7 @@ class KVTC(Compressor):
         float32 K/V: few large zstd and numpy calls); only ``per_chunk`` tokens at a time become floats."""
         device = state.window.keys.device
         codec = self.codec(layer, dtype, device)
-        n_max = max(len(blocks) for row in state.blocks for blocks in row)
-        pos, codes = tc.decode_blocks(state.blocks, codec["segments"], n_max)
-        pos, codes = torch.from_numpy(pos).to(device), torch.from_numpy(codes).to(device)
+        pos, codes = self._codes(state, codec, device)
         cos_table, sin_table = self.rope_table(int(pos.masked_fill(pos >= SENTINEL, 0).max()) + 1, device)
         for start in range(0, pos.shape[-1], per_chunk):
             p, coeffs = pos[..., start:start + per_chunk], codes[:, :, :, start:start + per_chunk].float()
@@ -229,6 +241,36 @@ class KVTC(Compressor):
                 index = index[0, 0]
             cos, sin = (t.index_select(0, index.reshape(-1)).view(*index.shape, -1) for t in (cos_table, sin_table))
             yield tc.rotate(keys, cos, sin), coeffs[1], p
+
+    def _codes(self, state: KVTCState, codec, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``[B, H, T]`` and codes ``[2, B, H, T, S]`` of every coded block: from ``state.decoded``
+        (extended by the blocks coded since) when the state keeps them, else entropy-decoded now."""
+        counts = {len(blocks) for row in state.blocks for blocks in row}
+        n_max = max(counts)
+        if state.decoded is not None and len(counts) == 1:
+            pos, codes, done = state.decoded
+            if done < n_max:
+                fresh = [[blocks[done:] for blocks in row] for row in state.blocks]
+                p, c = tc.decode_blocks(fresh, codec["segments"], n_max - done)
+                pos = torch.cat([pos, torch.from_numpy(p).to(device)], dim=-1)
+                codes = torch.cat([codes, torch.from_numpy(c).to(device)], dim=3)
+                state.decoded = (pos, codes, n_max)
+            return pos, codes
+        pos, codes = tc.decode_blocks(state.blocks, codec["segments"], n_max)
+        return torch.from_numpy(pos).to(device), torch.from_numpy(codes).to(device)
+
+    def restored(self, layer, state: KVTCState, convert: bool = True) -> KVTCState:
+        """A state read back from a store holds the coded blocks as they were stored: with ``convert``,
+        entropy-decode them once here (when every row and head holds the same number of blocks, the usual case)
+        instead of at every decode step. Output is unchanged (the same codes); resident bytes grow by the
+        decoded codes (uint8, a quarter of float32 K/V)."""
+        counts = {len(blocks) for row in state.blocks for blocks in row}
+        if convert and state.decoded is None and len(counts) == 1 and max(counts) > 0:
+            device = state.window.keys.device
+            codec = self.codec(layer, state.window.keys.dtype, device)
+            pos, codes = tc.decode_blocks(state.blocks, codec["segments"], max(counts))
+            state.decoded = (torch.from_numpy(pos).to(device), torch.from_numpy(codes).to(device), max(counts))
+        return state
 
     def reconstruct_values(self, layer: int, coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Value coefficients ``[B, H, T, S]`` from :meth:`_decoded_chunks` -> values ``[B, H, T, D]`` float32."""
@@ -259,7 +301,7 @@ class KVTC(Compressor):
     def nbytes(self, state: KVTCState) -> dict[str, int]:
         dense = state.sinks.nbytes() + state.window.nbytes()
         coded = state.coded_bytes() + state.coded_tokens.numel() * state.coded_tokens.element_size()
-        return {"device": dense + coded, "host": 0, "disk": 0}
+        return {"device": dense + coded + state.decoded_bytes(), "host": 0, "disk": 0}
 
     def stored_tokens(self, state: KVTCState) -> torch.Tensor:
         return state.sinks.valid.sum(-1) + state.coded_tokens + state.window.valid.sum(-1)

@@ -642,6 +642,7 @@ def run_grid(
     out_dir: str | os.PathLike,
     model_name: str | None = None,
     progress: bool = True,
+    store=None,
 ) -> dict[str, dict[str, Any]]:
     """Run every compressor of ``compressors`` (label -> Compressor, registered name or None) over the task
     with ONE prefill per sample shared by all of them (:mod:`kvcomp.shared_prefill`: the prefill runs on
@@ -651,7 +652,12 @@ def run_grid(
     ``shared_prefill_seconds``) and ``summary.json`` per label (over the samples of ``task_samples``), the
     layout ``kvcomp report`` reads, and the uncompressed generations to ``out_dir/reference.jsonl`` for fidelity.
     Resumable: samples whose records exist for a label are not redone. Returns the summary per label. Batch
-    size 1. One process at a time per ``out_dir`` (:func:`kvcomp.files.lock_run_dir`)."""
+    size 1. One process at a time per ``out_dir`` (:func:`kvcomp.files.lock_run_dir`).
+
+    ``store`` (a :func:`kvcomp.store.open_store` URL or Store): each sample's prefill, compressed by each
+    compressor, is kept there (:func:`kvcomp.contexts.continue_stored`) and reused by later runs, in any process
+    or machine that reaches the store: a sample whose every configuration is stored is not prefilled at all.
+    Outputs and records are the same as without a store (``from_store``/``recomputed`` say which happened)."""
     if not isinstance(query_aware, bool):
         raise TypeError(f"query_aware must be True or False, got {query_aware!r}.")
     out_dir = Path(out_dir)
@@ -662,11 +668,11 @@ def run_grid(
     _check_context(model, task_samples)
     # One process per output directory: a second one would append every record again.
     with files.lock_run_dir(out_dir, f"{task_samples.name} ({len(resolved)} configurations)"):
-        return _run_grid(model, tokenizer, task_samples, resolved, query_aware, out_dir, model_name, progress)
+        return _run_grid(model, tokenizer, task_samples, resolved, query_aware, out_dir, model_name, progress, store)
 
 
 def _run_grid(model, tokenizer, task_samples: Task, resolved: dict[str, Compressor | None], query_aware: bool,
-              out_dir: Path, model_name: str | None, progress: bool) -> dict[str, dict[str, Any]]:
+              out_dir: Path, model_name: str | None, progress: bool, store=None) -> dict[str, dict[str, Any]]:
     configs, paths, done = {}, {}, {}
     for label, compressor in resolved.items():
         configs[label] = _run_config(model, compressor, query_aware, model_name)
@@ -689,10 +695,10 @@ def _run_grid(model, tokenizer, task_samples: Task, resolved: dict[str, Compress
         if not labels and references.get(key) is not None:
             continue
         parts = [split_prompt(tokenizer, s.context, s.question, s.answer_prefix, s.chat_template)]
-        pre = shared_prefill.prefill(model, parts, query_aware, pad_id)
+        continue_from, pre = _continuation(model, parts, query_aware, pad_id, store, s.chat_template)
         uncompressed = None
         if references.get(key) is None:
-            uncompressed = shared_prefill.continue_from(model, pre, None, s.max_new_tokens, pad_id, stop_ids)
+            uncompressed = continue_from(None, s.max_new_tokens, stop_ids)
             ids = uncompressed[0]
             references.add([{"key": key, "id": s.id, "token_ids": ids[0],
                              "text": tokenizer.decode(ids[0], skip_special_tokens=True)}])
@@ -702,14 +708,15 @@ def _run_grid(model, tokenizer, task_samples: Task, resolved: dict[str, Compress
                 # An uncompressed label runs exactly the decode the reference just ran: keep it, do not redo it.
                 rows, stats = uncompressed
             else:
-                rows, stats = shared_prefill.continue_from(model, pre, resolved[label], s.max_new_tokens, pad_id,
-                                                           stop_ids)
+                rows, stats = continue_from(resolved[label], s.max_new_tokens, stop_ids)
             out = _batch_result(tokenizer, parts, rows, stats, resolved[label])
             record = _records(task_samples, [s], out, configs[label], mode, ref_ids)[0]
             record.update(compress_seconds=stats["compress_seconds"],
                           shared_prefill_seconds=stats["shared_prefill_seconds"])
+            if store is not None:
+                record.update(from_store=not stats["recomputed"], context_key=stats["context_key"])
             _append(paths[label], [record])
-        del pre
+        pre.clear()  # the prefill's records (hundreds of MB at 4K): gone before the next sample's
 
     return {label: write_summary(path.parent, task_samples.name, task_samples.config.get("length"), task_samples)
             for label, path in paths.items()}
@@ -726,6 +733,24 @@ def write_summary(run_dir: str | os.PathLike, task: str, length: int | None,
     summary = {**summarize(records), "task": task, "length": length, "run_dir": str(run_dir)}
     files.write_text(run_dir / "summary.json", json.dumps(_jsonable(summary), indent=2) + "\n")
     return summary
+
+
+def _continuation(model, parts, query_aware: bool, pad_id: int, store, chat_template: bool):
+    """``(continue_from(compressor, max_new_tokens, stop_ids), holder)`` for one sample: from ONE shared prefill,
+    or through ``store`` (the prefill runs only if some configuration is not stored; ``holder`` keeps it)."""
+    holder: list = []
+
+    def prefilled():
+        if not holder:
+            holder.append(shared_prefill.prefill(model, parts, query_aware, pad_id))
+        return holder[0]
+
+    if store is None:
+        return (lambda c, n, stops: shared_prefill.continue_from(model, prefilled(), c, n, pad_id, stops)), holder
+    from kvcomp.contexts import continue_stored
+
+    return (lambda c, n, stops: continue_stored(model, parts, query_aware, c, store, prefilled, n, pad_id, stops,
+                                                chat_template)), holder
 
 
 def _records(task_samples: Task, batch: list[Sample], out: _Batch, config: dict, mode: str,

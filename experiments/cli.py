@@ -1,4 +1,4 @@
-"""The ``kvcomp`` command: list, generate, demo, grid (and grid merge), run, report, export, calibrate, bench."""
+"""The ``kvcomp`` command: list, generate, store, demo, grid (and grid merge), run, report, export, calibrate, bench."""
 
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ def _generate(args) -> int:
     from kvcomp import generate
 
     context = _read_text(args.context_file, "--context-file") if args.context_file else (args.context or "")
-    if not context:
-        raise SystemExit("kvcomp generate: give the context with --context-file FILE or --context TEXT.")
+    if not context and not args.context_key:
+        raise SystemExit("kvcomp generate: give the context with --context-file FILE, --context TEXT or "
+                         "--context-key KEY (a stored context, see kvcomp store put).")
     params = dict(_parse_param(p) for p in args.param)
     if args.compression_ratio is not None:
         params["compression_ratio"] = args.compression_ratio
@@ -76,6 +77,14 @@ def _generate(args) -> int:
     compressor = None if args.compressor == "none" else resolve_compressor(args.compressor, **params)
     model, tokenizer = _load(args)  # after the compressor: a bad name fails before the model loads
     lossless = {"lossless": True, "gamma": args.gamma} if args.lossless else {}
+    if args.context_key:  # a stored context (kvcomp store put): no prefill of the context here
+        from kvcomp import Lossless, load_context
+
+        context = load_context(model, args.context_key, args.store)
+        compressor = None
+        if args.lossless:
+            tier = {"tier": "store", "tier_options": {"store": args.store}} if context.has_full_kv else {}
+            lossless = {"lossless": Lossless(gamma=args.gamma, **tier)}
     result = generate(model, tokenizer, context, args.question, compressor=compressor,
                       max_new_tokens=args.max_new_tokens, query_aware=args.query_aware, **lossless)
     print(result.text)
@@ -89,6 +98,48 @@ def _generate(args) -> int:
     if result.lossless is not None:
         stats["lossless"] = {k: result.lossless[k] for k in ("rounds", "mean_accepted", "accepted_hist")}
     print(json.dumps(stats), file=sys.stderr)
+    return 0
+
+
+def _store(args) -> int:
+    from kvcomp.store import open_store
+
+    store = open_store(args.store)
+    if args.action == "ls":
+        for m in store.entries(args.prefix or ""):
+            meta = m.meta
+            spec = meta.get("compressor")
+            name = "-" if not meta.get("format") else ("none" if spec is None else spec["name"])
+            model = (meta.get("model") or {}).get("name", "-")
+            tokens = meta.get("prompt_tokens", "-")
+            print(f"{m.key}\t{m.nbytes:,} bytes\t{name}\ttokens={tokens}\tmodel={model}\t"
+                  f"full_kv={'yes' if meta.get('full_kv_bytes') else 'no'}")
+        return 0
+    if args.action == "rm":
+        keys = list(args.keys) + (store.list(args.prefix) if args.prefix else [])
+        if not keys:
+            raise SystemExit("kvcomp store rm: name the keys to remove, or --prefix P.")
+        for key in keys:
+            print(f"{'removed' if store.delete(key) else 'no such key'}\t{key}")
+        return 0
+    # put
+    from kvcomp import save_context
+    from kvcomp.generation import resolve_compressor
+
+    context = _read_text(args.context_file, "--context-file") if args.context_file else (args.context or "")
+    if not context:
+        raise SystemExit("kvcomp store put: give the context with --context-file FILE or --context TEXT.")
+    params = dict(_parse_param(p) for p in args.param)
+    if args.compression_ratio is not None:
+        params["compression_ratio"] = args.compression_ratio
+    compressor = resolve_compressor(args.compressor, **params)
+    model, tokenizer = _load(args)
+    saved = save_context(model, tokenizer, context, compressor=compressor, store=store, key=args.key,
+                         full_kv=args.full_kv)
+    print(saved.key)
+    print(json.dumps({"store": saved.store, "state_bytes": saved.state_bytes, "full_kv_bytes": saved.full_kv_bytes,
+                      "prompt_tokens": saved.prompt_tokens, "prefill_seconds": round(saved.prefill_seconds, 3),
+                      "write_seconds": round(saved.write_seconds, 3)}), file=sys.stderr)
     return 0
 
 
@@ -128,7 +179,7 @@ def _grid(args) -> int:
     files = run_table(model, tokenizer, tasks=args.tasks or OFFLINE_RULER, lengths=args.lengths,
                       samples=args.samples, compressors=args.compressors, ratios=args.ratios, modes=args.modes,
                       out_dir=args.out, params=params, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                      configs=tuple(args.configs))
+                      configs=tuple(args.configs), store=args.store)
     _print_grid(files)
     return 0
 
@@ -147,7 +198,7 @@ def _sharded_grid(args, params: dict) -> int:
 
     spec = GridSpec(tasks=args.tasks or OFFLINE_RULER, lengths=args.lengths, samples=args.samples,
                     compressors=args.compressors, ratios=args.ratios, modes=args.modes, params=params,
-                    configs=tuple(args.configs),
+                    configs=tuple(args.configs), store=args.store,
                     max_new_tokens=args.max_new_tokens, seed=args.seed, model=args.model, dtype=args.dtype)
     threads = args.threads_per_worker or 1
     try:
@@ -290,7 +341,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--lossless", action="store_true", help="draft with the compressor, verify with the full KV")
     p.add_argument("--gamma", type=int, default=4, help="tokens drafted per round (--lossless)")
+    p.add_argument("--context-key", default=None,
+                   help="answer from a stored context (kvcomp store put) instead of prefilling one")
+    p.add_argument("--store", default=None, help="store URL of --context-key (default: the directory store)")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("store", help="saved contexts: put (prefill and store), ls, rm")
+    store_sub = p.add_subparsers(dest="action", required=True)
+    for action, text in (("put", "prefill a context once and store its compressed cache"),
+                         ("ls", "list stored entries"), ("rm", "remove stored entries")):
+        q = store_sub.add_parser(action, help=text)
+        q.add_argument("--store", default=None,
+                       help="redis://host:port/db, file:///path or a directory (default: $KVCOMP_STORE or "
+                            "~/.cache/kvcomp/store)")
+        q.set_defaults(func=_store)
+        if action == "put":
+            model_args(q)
+            q.add_argument("--context-file")
+            q.add_argument("--context")
+            q.add_argument("--compressor", default="none")
+            q.add_argument("--compression-ratio", type=float, default=None)
+            q.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
+            q.add_argument("--key", default=None, help="default: a digest of model, tokens and compressor")
+            q.add_argument("--full-kv", action="store_true", help="also store the full KV (lossless decoding)")
+        elif action == "ls":
+            q.add_argument("--prefix", default=None)
+        else:
+            q.add_argument("keys", nargs="*")
+            q.add_argument("--prefix", default=None, help="remove every key starting with this")
 
     p = sub.add_parser("demo", help="needle-in-a-haystack: no compression vs each compressor at 2x and 4x")
     model_args(p)
@@ -334,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: Slurm where sbatch exists, else local processes")
     p.add_argument("--submitit-param", action="append", default=[], metavar="KEY=VALUE",
                    help="submitit executor parameter, e.g. slurm_partition=gpu, timeout_min=600 (repeatable)")
+    p.add_argument("--store", default=None,
+                   help="keep each sample's compressed prefills in this store (redis://host:port/db or a directory) "
+                        "and reuse them in later runs")
     p.set_defaults(func=_grid)
     grid_sub = p.add_subparsers(dest="grid_command", required=False, metavar="{merge,diff}")
     m = grid_sub.add_parser("merge", help="merge the shards of a sharded grid into the files one process writes")

@@ -88,8 +88,11 @@ def grid_tasks(tokenizer, *, tasks, lengths, samples: int, seed: int = 0, max_ne
 
 def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ratios, modes, out_dir,
               params: dict | None = None, max_new_tokens: int | None = None, seed: int = 0,
-              progress: bool = True, configs: tuple[str, ...] = ()) -> dict[str, Path]:
-    """Run the grid into ``out_dir`` and write the report; returns the report's files."""
+              progress: bool = True, configs: tuple[str, ...] = (), store: str | None = None) -> dict[str, Path]:
+    """Run the grid into ``out_dir`` and write the report; returns the report's files.
+
+    ``store``: a store URL (``redis://host:port/db`` or a directory) where each sample's compressed prefills are
+    kept and reused across runs and machines (:func:`eval.runner.run_grid`)."""
     positive_int("samples", samples, owner="kvcomp grid", error=UsageError)
     for length in lengths:
         positive_int("length", length, owner="kvcomp grid", error=UsageError)
@@ -101,7 +104,8 @@ def run_table(model, tokenizer, *, tasks, lengths, samples: int, compressors, ra
                                               max_new_tokens=max_new_tokens):
             for mode in modes:
                 run_dir = files.make_dirs(cell_dir(out_dir, name, length, mode), out_dir)  # no symlinks on the way
-                run_grid(model, tokenizer, bench, grid, query_aware=MODES[mode], out_dir=run_dir, progress=progress)
+                run_grid(model, tokenizer, bench, grid, query_aware=MODES[mode], out_dir=run_dir, progress=progress,
+                         store=store)
         return write_reports(out_dir)
 
 

@@ -63,6 +63,7 @@ class GridSpec:
     model: str | None = None  # None: the embedded model
     dtype: str = "float32"
     configs: tuple[str, ...] = ()  # compressors with their own parameters ("quant:bits=4"), one column each
+    store: str | None = None  # where each sample's compressed prefills are kept and reused (``kvcomp grid --store``)
 
     def __post_init__(self):
         for name in ("tasks", "lengths", "compressors", "ratios", "modes", "configs"):
@@ -239,7 +240,7 @@ def run_shard(out_dir: str | os.PathLike, spec: GridSpec, shard: Shard, *, devic
             continue
         for mode in spec.modes:
             run_grid(model, tokenizer, mine, grid, query_aware=MODES[mode],
-                     out_dir=cell_dir(root, name, length, mode), progress=progress)
+                     out_dir=cell_dir(root, name, length, mode), progress=progress, store=spec.store)
     usage = resource.getrusage(resource.RUSAGE_SELF)  # this worker's CPU time (a shared machine's wall time lies)
     status.update(status="complete", finished=time.time(), wall_seconds=time.time() - started,
                   cpu_seconds=usage.ru_utime + usage.ru_stime)

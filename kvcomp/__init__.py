@@ -2,6 +2,7 @@
 
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Capabilities, Compose, Compressor, CompressorError, LayerContext
+from kvcomp.contexts import LoadedContext, SavedContext, load_context, save_context
 from kvcomp.generation import GenerationResult, generate
 from kvcomp.lossless import Lossless, Sampling
 from kvcomp.models import load_model
@@ -10,6 +11,7 @@ from kvcomp.selection import TokenSelection, TokenStore
 
 __all__ = [
     "Capabilities", "Compose", "CompressedCache", "Compressor", "CompressorError", "GenerationResult",
-    "LayerContext", "Lossless", "Sampling", "TokenSelection", "TokenStore", "available", "create", "generate", "load_model", "register",
+    "LayerContext", "LoadedContext", "Lossless", "Sampling", "SavedContext", "TokenSelection", "TokenStore", "available",
+    "create", "generate", "load_context", "load_model", "register", "save_context",
 ]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ holding that layer's KV in whatever form it stores it; the framework (``kvcomp.c
 ``after_attend(layer, state, ctx)``            after each forward's attention: evict what it has decided
 ``checkpoint(state)`` / ``rollback(state, s)``  snapshot a state / restore it (undo what was appended since)
 ``nbytes(state)``                              resident bytes per tier
+``restored(layer, state, convert)``            a state read back from a store, before it serves (optional)
 =============================================  ===============================================================
 
 Shapes: ``q`` is ``[B, H_q, n, D]``; ``k``/``v`` are ``[B, H_kv, n, D]`` (one entry per KV head, never per
@@ -187,6 +188,14 @@ class Compressor:
 
     def nbytes(self, state: Any) -> dict[str, int]:
         raise NotImplementedError
+
+    def restored(self, layer: int, state: Any, convert: bool = True) -> Any:
+        """The state, ready to serve, after it came back from a store (:mod:`kvcomp.contexts`) bit-identical to
+        the one :meth:`prefill` built: what a live state has beyond its stored form is restarted here
+        (retrieval: the prefetch for the first step). ``convert``: a method whose stored form is not its
+        fastest working form may convert it, once, changing resident bytes but never the output (KVTC decodes
+        its coded blocks); ``False`` keeps the state exactly as built in-process. Default: unchanged."""
+        return state
 
     def stored_tokens(self, state: Any) -> torch.Tensor:
         """``[B, H_kv]`` tokens the state holds per row and KV head (for budgets and reports)."""

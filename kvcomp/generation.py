@@ -265,7 +265,19 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
     compressed cache and verifies them with the full KV: the output is exactly the uncompressed one (greedy),
     or distributed exactly as uncompressed sampling with ``do_sample`` (``temperature``, ``top_k``, ``top_p``,
     ``seed``). Statistics land in ``GenerationResult.lossless``.
+
+    ``context`` may also be a :class:`kvcomp.contexts.LoadedContext` (:func:`kvcomp.load_context`): the stored,
+    already compressed context is continued with ``question`` (no prefill of the context), token-identical to
+    passing the context's text with the compressor it was saved with.
     """
+    if not isinstance(context, (str, list, tuple)):
+        from kvcomp.contexts import generate_from_context
+
+        return generate_from_context(
+            model, tokenizer, context, question, compressor=compressor, max_new_tokens=max_new_tokens,
+            query_aware=query_aware, answer_prefix=answer_prefix, lossless=lossless, gamma=gamma,
+            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            chat_template=chat_template, system_prompt=system_prompt, **compressor_params)
     check_supported(model)  # an unsupported model family is refused before anything else
     validation.positive_int("max_new_tokens", max_new_tokens, owner="generate", error=validation.UsageError)
     compressor = resolve_compressor(compressor, **compressor_params)
@@ -288,14 +300,24 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows, stats = generate_ids(model, parts, compressor, max_new_tokens, query_aware, pad_id,
                                stop_token_ids(model, tokenizer), config, sampling)
+    return make_result(model, tokenizer, compressor, rows, stats,
+                       [len(p.context_ids) + len(p.question_ids) for p in parts], query_aware, parts[0].template)
+
+
+def make_result(model, tokenizer, compressor: Compressor | None, rows: list[list[int]], stats: dict[str, Any],
+                prompt_tokens: list[int], query_aware: bool, template: str) -> GenerationResult:
+    """The :class:`GenerationResult` of a decode (``rows`` and ``stats`` as :func:`generate_ids` returns them)."""
     resident, full, kept = cache_stats(stats["cache"])
     if "lossless" in stats:
         resident = add_full_kv_bytes(resident, stats["lossless"])
     name = "none" if compressor is None else name_of(compressor)
+    extra = {"params": {} if compressor is None else compressor.params(), "steps": stats["generated_steps"],
+             "template": template}
+    extra.update({k: stats[k] for k in ("context_key", "load_seconds", "build_seconds") if k in stats})
     return GenerationResult(
         texts=[tokenizer.decode(r, skip_special_tokens=True) for r in rows],
         token_ids=rows,
-        prompt_tokens=[len(p.context_ids) + len(p.question_ids) for p in parts],
+        prompt_tokens=prompt_tokens,
         prefill_seconds=stats["prefill_seconds"],
         decode_seconds=stats["decode_seconds"],
         resident_bytes=resident,
@@ -304,8 +326,7 @@ def generate(model, tokenizer, context: str | list[str], question: str | list[st
         query_aware=query_aware,
         compressor=name,
         dtype=str(model.dtype).removeprefix("torch."),
-        extra={"params": {} if compressor is None else compressor.params(), "steps": stats["generated_steps"],
-               "template": parts[0].template},
+        extra=extra,
         lossless=stats["lossless"].as_dict() if "lossless" in stats else None,
     )
 

@@ -55,7 +55,7 @@ from kvcomp import validation
 from kvcomp.attention import install
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Compressor, CompressorError
-from kvcomp.tiers import TIER_KINDS
+from kvcomp.tiers import Tier, tier_kinds
 
 
 @dataclass
@@ -66,7 +66,8 @@ class Lossless:
     adaptive: choose gamma each round in ``[1, max_gamma]`` to maximise expected tokens per second, from the
     running acceptance rate and the measured draft-step and verification times (Leviathan et al., 2023, Sec. 3.5).
     tier: where the full KV lives: ``"resident"`` (a plain ``DynamicCache`` next to the model) or a slower tier
-    (see :func:`make_full_kv`).
+    (see :func:`make_full_kv`): ``"host"``, ``"disk"``, ``"ram"``, or ``"store"`` with
+    ``tier_options={"store": "redis://host:port/db"}`` (any :func:`kvcomp.store.open_store` URL).
     """
 
     gamma: int = 4
@@ -79,7 +80,7 @@ class Lossless:
         validation.positive_int("gamma", self.gamma, high=1024, owner=self, hint=" (drafted tokens per round)")
         validation.integer("max_gamma", self.max_gamma, self.gamma, 1024, owner=self, hint=" (>= gamma)")
         validation.boolean("adaptive", self.adaptive, owner=self)
-        validation.choice("tier", self.tier, ("resident", *TIER_KINDS), owner=self)
+        validation.choice("tier", self.tier, ("resident", *tier_kinds()), owner=self)
         if not isinstance(self.tier_options, dict):
             raise CompressorError(f"Lossless: tier_options must be a dict of tier settings; got {self.tier_options!r}.")
 
@@ -273,11 +274,12 @@ class TieredFullKV:
     window of reads needs more than its one outstanding request.
     """
 
-    def __init__(self, model, tier: str = "disk", window: int = 0, overlap: bool = True, **tier_options):
+    def __init__(self, model, tier: str | Tier = "disk", window: int = 0, overlap: bool = True, **tier_options):
         from kvcomp.tiers import make_tier
 
         n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        self.tier = make_tier(tier, device=model.device, **tier_options)
+        # A Tier object (a kvcomp.store.StoreTier over a stored context's full KV) is used as it is.
+        self.tier = tier if isinstance(tier, Tier) else make_tier(tier, device=model.device, **tier_options)
         self.cache = Cache(layers=[_TierLayer(self, i) for i in range(n_layers)])
         self.n_layers = n_layers
         self.window = window if window > 0 else n_layers
@@ -352,7 +354,10 @@ class TieredFullKV:
             lay.new = None
 
     def nbytes(self) -> dict[str, int]:
-        return {"device": 0, "host": 0, "disk": 0, self.tier.kind: self.tier.nbytes()}
+        total = {"device": 0, "host": 0, "disk": 0}
+        for kind, n in self.tier.nbytes_by_kind().items():
+            total[kind] = total.get(kind, 0) + n
+        return total
 
     def close(self) -> None:
         for future in self._reads.values():
@@ -361,11 +366,25 @@ class TieredFullKV:
         self.tier.close()
 
 
-def make_full_kv(model, config: Lossless):
-    """Where verification's full KV lives: ``"resident"`` (a DynamicCache) or a :mod:`kvcomp.tiers` tier."""
-    if config.tier == "resident":
-        return ResidentFullKV(model)
-    return TieredFullKV(model, config.tier, **config.tier_options)
+def make_full_kv(model, config: Lossless, context=None):
+    """Where verification's full KV lives: ``"resident"`` (a DynamicCache) or a :mod:`kvcomp.tiers` tier
+    (``"store"``: a :mod:`kvcomp.store`). With a stored ``context`` (:class:`kvcomp.contexts.LoadedContext`), its
+    stored full KV: read from the store at every verification for ``"store"``, else copied into the tier."""
+    if context is None:
+        if config.tier == "resident":
+            return ResidentFullKV(model)
+        return TieredFullKV(model, config.tier, **config.tier_options)
+    stored = context.full_kv_tier(model.device)
+    if config.tier == "store":
+        options = {k: v for k, v in config.tier_options.items() if k in ("window", "overlap")}
+        return TieredFullKV(model, stored, **options)
+    full = make_full_kv(model, config)
+    try:
+        for layer in stored.layers:
+            full.tee(layer, *stored.read(layer))
+    finally:
+        stored.close()
+    return full
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -439,12 +458,13 @@ def _feed_full(model, full, ids, block_mask, mask, next_pos, keep_new: bool = Fa
 def lossless_decode(
     model,
     blocks: list[tuple[torch.Tensor, torch.Tensor]],
-    compressor: Compressor,
+    compressor: Compressor | None,
     config: Lossless | None = None,
     max_new_tokens: int = 32,
     stop_ids: set[int] | None = None,
     sampling: Sampling | None = None,
     question_length: list[int] | None = None,
+    context=None,
 ) -> tuple[list[list[int]], dict[str, Any]]:
     """Decode with ``compressor`` drafting and the full KV verifying; returns ids per row and statistics.
 
@@ -452,60 +472,99 @@ def lossless_decode(
     the compressed cache is built from it while the full KV receives its K/V (``CompressedCache.tee``). Later
     blocks (the question, query-agnostic) run on the full KV only; their verified K/V reach the compressed
     cache like accepted tokens do. So every logit that picks a token comes from uncompressed attention.
+
+    ``context``: a :class:`kvcomp.contexts.LoadedContext` instead of a prefill: its stored compressed cache
+    drafts (``compressor`` None, or the one it was saved with) and its stored full KV verifies, read where
+    ``config.tier`` says (``"store"``: from the store at every verification; otherwise copied into that tier
+    first). ``blocks`` is then what follows the context (the question, at most one block). The question does
+    not wait for the full KV: the first round drafts over the compressed context plus the question while the
+    full KV streams in, and one forward over the full KV verifies the question and the drafts together.
     """
     config = config or Lossless()
+    if context is not None:
+        if compressor is not None and compressor is not context.compressor:
+            raise CompressorError("lossless_decode: a stored context drafts with the compressor it was saved with; "
+                                  "pass compressor=None.")
+        compressor = context.compressor
+        if len(blocks) > 1:
+            raise ValueError("lossless_decode: a stored context is continued with one block (the question).")
     if compressor is None:
         raise CompressorError("Lossless decoding needs a compressor to draft with; got None.")
     install(model)
     stop_ids = stop_ids or set()
     device = model.device
-    batch = blocks[0][0].shape[0]
+    batch = blocks[0][0].shape[0] if context is None else context.mask.shape[0]
     compressor.check(batch)
-    draft = CompressedCache(model, compressor, question_length=question_length)
-    full = make_full_kv(model, config)
     stats = LosslessStats()
     gen = None if sampling is None else torch.Generator(device=device).manual_seed(sampling.seed)
     gamma_ctl = GammaController(config)
-
-    # -- prefill ---------------------------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    ids, mask = (t.to(device) for t in blocks[0])
-    draft.tee = full.tee
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=_positions(mask),
-        cache=draft,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    draft.tee = None
-    draft_mask = mask.clone()
-    full_mask = mask.clone()
-    next_pos = mask.sum(1)  # [B] position of the next real token of each row
     # Verified K/V (and their ids, validity, positions) waiting to be appended to the compressed cache.
     pend_k, pend_v = None, None
     pend_ids = torch.zeros(batch, 0, dtype=torch.long, device=device)
     pend_valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
     pend_pos = torch.zeros(batch, 0, dtype=torch.long, device=device)
-    for ids, mask in blocks[1:]:
-        ids, mask = ids.to(device), mask.to(device)
-        out, full_mask, pos, (k_new, v_new) = _feed_full(model, full, ids, mask, full_mask, next_pos, keep_new=True)
-        pend_k = k_new if pend_k is None else [torch.cat(p, dim=2) for p in zip(pend_k, k_new)]
-        pend_v = v_new if pend_v is None else [torch.cat(p, dim=2) for p in zip(pend_v, v_new)]
-        pend_ids = torch.cat([pend_ids, ids], dim=1)
-        pend_valid = torch.cat([pend_valid, mask.bool()], dim=1)
-        pend_pos = torch.cat([pend_pos, pos], dim=1)
-        next_pos = next_pos + mask.sum(1)
+
+    # -- prefill ---------------------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    head = None  # (ids, valid, positions) the first verification runs before the drafts: a question block
+    if context is None:
+        draft = CompressedCache(model, compressor, question_length=question_length)
+        full = make_full_kv(model, config)
+        ids, mask = (t.to(device) for t in blocks[0])
+        draft.tee = full.tee
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=_positions(mask),
+            cache=draft,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        draft.tee = None
+        logits = out.logits[:, -1]
+        draft_mask = mask.clone()
+        full_mask = mask.clone()
+        next_pos = mask.sum(1)  # [B] position of the next real token of each row
+        for ids, mask in blocks[1:]:
+            ids, mask = ids.to(device), mask.to(device)
+            out, full_mask, pos, (k_new, v_new) = _feed_full(model, full, ids, mask, full_mask, next_pos,
+                                                             keep_new=True)
+            logits = out.logits[:, -1]
+            pend_k = k_new if pend_k is None else [torch.cat(p, dim=2) for p in zip(pend_k, k_new)]
+            pend_v = v_new if pend_v is None else [torch.cat(p, dim=2) for p in zip(pend_v, v_new)]
+            pend_ids = torch.cat([pend_ids, ids], dim=1)
+            pend_valid = torch.cat([pend_valid, mask.bool()], dim=1)
+            pend_pos = torch.cat([pend_pos, pos], dim=1)
+            next_pos = next_pos + mask.sum(1)
+    else:
+        draft = context.new_cache(model)
+        full = make_full_kv(model, config, context)
+        full.prefetch()  # the full KV starts streaming in now
+        logits = context.logits
+        draft_mask = context.mask.clone()
+        full_mask = context.mask.clone()
+        next_pos = context.mask.sum(1)
+        if blocks and blocks[0][0].shape[1]:
+            ids, mask = (t.to(device) for t in blocks[0])
+            head = (ids, mask.bool(), next_pos.view(-1, 1) + (mask.cumsum(1) - 1).clamp(min=0))
     prefill_seconds = time.perf_counter() - t0
 
-    last, _ = _choose(out.logits[:, -1], sampling, gen)
-    generated: list[list[int]] = [[t] for t in last.tolist()]
-    finished = [t in stop_ids or max_new_tokens <= 1 for t in last.tolist()]
+    if head is None:
+        last, _ = _choose(logits, sampling, gen)
+        generated: list[list[int]] = [[t] for t in last.tolist()]
+        finished = [t in stop_ids or max_new_tokens <= 1 for t in last.tolist()]
+        head = (last.view(-1, 1), torch.ones(batch, 1, dtype=torch.bool, device=device), next_pos.view(-1, 1))
+    else:
+        generated = [[] for _ in range(batch)]
+        finished = [False] * batch
 
     # -- rounds ----------------------------------------------------------------------------------------------
+    # Each round verifies [head | d_1..d_gamma]: head is `last` (the newest token, in neither cache), or in the
+    # first round of a stored context the question block.
     t_decode = time.perf_counter()
     while not all(finished):
+        head_ids, head_valid, head_pos = head
+        after_head = next_pos + head_valid.sum(1)  # [B] position of the first drafted token
         needed = max(max_new_tokens - len(g) for g, f in zip(generated, finished) if not f)
         gamma = min(gamma_ctl.next(), needed - 1)
         full.prefetch()  # the full KV streams in while the draft model works
@@ -515,14 +574,14 @@ def lossless_decode(
         snapshots = None
         width_at_snapshot = draft_mask.shape[1]
         if gamma > 0:
-            # Step 1: the verified tokens of the previous round, then `last`.
+            # Step 1: the verified tokens of the previous round, then the head.
             if pend_k is None:
                 snapshots = draft.checkpoint()
             else:
                 draft.stage_verified(pend_k, pend_v)
-            step_ids = torch.cat([pend_ids, last.view(-1, 1)], dim=1)
-            step_valid = torch.cat([pend_valid, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
-            step_pos = torch.cat([pend_pos, next_pos.view(-1, 1)], dim=1)
+            step_ids = torch.cat([pend_ids, head_ids], dim=1)
+            step_valid = torch.cat([pend_valid, head_valid], dim=1)
+            step_pos = torch.cat([pend_pos, head_pos], dim=1)
             width_at_snapshot += pend_ids.shape[1]
             for i in range(gamma):
                 draft_mask = torch.cat([draft_mask, step_valid.long()], dim=1)
@@ -543,29 +602,29 @@ def lossless_decode(
                     q_probs.append(q)
                 step_ids = token.view(-1, 1)
                 step_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
-                step_pos = next_pos.view(-1, 1) + i + 1
+                step_pos = after_head.view(-1, 1) + i
         _sync(device)
         draft_s = time.perf_counter() - t0
 
-        # -- verify: one forward of [last, d_1..d_gamma] over the full KV -----------------------------------
+        # -- verify: one forward of [head, d_1..d_gamma] over the full KV -----------------------------------
         t0 = time.perf_counter()
-        v_ids = torch.cat([last.view(-1, 1), drafts], dim=1)
-        n = gamma + 1
-        verify_mask = torch.cat(
-            [full_mask, torch.ones(batch, n, dtype=full_mask.dtype, device=device)], dim=1
-        )
-        v_pos = next_pos.view(-1, 1) + torch.arange(n, device=device)
+        v_ids = torch.cat([head_ids, drafts], dim=1)
+        n_head = head_ids.shape[1]
+        n = n_head + gamma
+        v_valid = torch.cat([head_valid, torch.ones(batch, gamma, dtype=torch.bool, device=device)], dim=1)
+        verify_mask = torch.cat([full_mask, v_valid.to(full_mask.dtype)], dim=1)
+        v_pos = torch.cat([head_pos, after_head.view(-1, 1) + torch.arange(gamma, device=device)], dim=1)
         out = model(
             input_ids=v_ids,
             attention_mask=verify_mask,
             position_ids=v_pos,
             cache=full.cache,
             use_cache=True,
-            logits_to_keep=n,
+            logits_to_keep=gamma + 1,
         )
-        logits = out.logits  # [B, n, V]
+        logits = out.logits  # [B, gamma + 1, V]: after the head's last token, then after each draft
         if sampling is None:
-            target = logits.argmax(-1)  # [B, n]
+            target = logits.argmax(-1)  # [B, gamma + 1]
             match = (drafts == target[:, :gamma]).long().cumprod(dim=1)
             accepted = match.sum(1)  # [B]
             bonus = target.gather(1, accepted.view(-1, 1)).squeeze(1)
@@ -576,29 +635,29 @@ def lossless_decode(
 
         # -- commit -------------------------------------------------------------------------------------------
         t0 = time.perf_counter()
-        keep = accepted + 1  # [B] verified tokens per row: last, d_1..d_a
-        kept = int(keep.max())
+        kept = n_head + int(accepted.max())  # slots of this forward the full KV keeps: head, d_1..d_a
         k_new, v_new = full.new_kv(n)
         k_new, v_new = [k[:, :, :kept] for k in k_new], [v[:, :, :kept] for v in v_new]
         full.commit(n, kept)
-        slot = torch.arange(kept, device=device)
-        valid = slot.view(1, -1) < keep.view(-1, 1)
+        slot = torch.arange(kept - n_head, device=device)
+        valid = torch.cat([head_valid, slot.view(1, -1) < accepted.view(-1, 1)], dim=1)  # [B, kept]
+        kept_pos = torch.cat([head_pos, after_head.view(-1, 1) + slot], dim=1)
         full_mask = torch.cat([full_mask, valid.to(full_mask.dtype)], dim=1)
-        stats.holes += int((~valid).sum())
+        stats.holes += int((~valid[:, n_head:]).sum())
         if snapshots is None and pend_k is not None:
             # Nothing was drafted (gamma 0), so the earlier verified tokens are still waiting: keep them.
             pend_k = [torch.cat(p, dim=2) for p in zip(pend_k, k_new)]
             pend_v = [torch.cat(p, dim=2) for p in zip(pend_v, v_new)]
             pend_ids = torch.cat([pend_ids, v_ids[:, :kept]], dim=1)
             pend_valid = torch.cat([pend_valid, valid], dim=1)
-            pend_pos = torch.cat([pend_pos, next_pos.view(-1, 1) + slot], dim=1)
+            pend_pos = torch.cat([pend_pos, kept_pos], dim=1)
         else:
             pend_k, pend_v, pend_ids, pend_valid = k_new, v_new, v_ids[:, :kept], valid
-            pend_pos = next_pos.view(-1, 1) + slot
+            pend_pos = kept_pos
         if snapshots is not None:
             draft.rollback(snapshots)
             draft_mask = draft_mask[:, :width_at_snapshot]
-        next_pos = next_pos + keep
+        next_pos = after_head + accepted
         for b, (row, a, t_bonus) in enumerate(zip(drafts.tolist(), accepted.tolist(), bonus.tolist())):
             if finished[b]:
                 continue
@@ -607,7 +666,7 @@ def lossless_decode(
                 if t in stop_ids or len(generated[b]) >= max_new_tokens:
                     finished[b] = True
                     break
-        last = bonus
+        head = (bonus.view(-1, 1), torch.ones(batch, 1, dtype=torch.bool, device=device), next_pos.view(-1, 1))
         stats.commit_seconds += time.perf_counter() - t0
 
         stats.rounds += 1
@@ -649,20 +708,28 @@ def full_kv_decode(
     config: Lossless,
     max_new_tokens: int = 32,
     stop_ids: set[int] | None = None,
+    context=None,
 ) -> tuple[list[list[int]], dict[str, Any]]:
     """Uncompressed greedy decoding with the full KV where ``config.tier`` puts it, one token per forward: the
-    baseline lossless decoding is measured against (same tier, same streaming, no drafting)."""
+    baseline lossless decoding is measured against (same tier, same streaming, no drafting). ``context``: a
+    :class:`kvcomp.contexts.LoadedContext` whose stored full KV it continues (``blocks``: what follows it)."""
     install(model)
     stop_ids = stop_ids or set()
     device = model.device
-    full = make_full_kv(model, config)
+    full = make_full_kv(model, config, context)
     stats = LosslessStats()
     t0 = time.perf_counter()
-    mask = torch.zeros(blocks[0][0].shape[0], 0, dtype=torch.long, device=device)
-    next_pos = torch.zeros(blocks[0][0].shape[0], dtype=torch.long, device=device)
+    if context is None:
+        mask = torch.zeros(blocks[0][0].shape[0], 0, dtype=torch.long, device=device)
+        next_pos = torch.zeros(blocks[0][0].shape[0], dtype=torch.long, device=device)
+        logits = None
+    else:
+        mask, logits = context.mask.clone(), context.logits
+        next_pos = mask.sum(1)
     for ids, block_mask in blocks:
         ids, block_mask = ids.to(device), block_mask.to(device)
         out, mask, _, _ = _feed_full(model, full, ids, block_mask, mask, next_pos)
+        logits = out.logits[:, -1]
         next_pos = next_pos + block_mask.sum(1)
     prefill_seconds = time.perf_counter() - t0
     batch = mask.shape[0]
@@ -670,7 +737,7 @@ def full_kv_decode(
     finished = [False] * batch
     t_decode = time.perf_counter()
     while True:
-        token = out.logits[:, -1].argmax(-1)
+        token = logits.argmax(-1)
         for b, t in enumerate(token.tolist()):
             if not finished[b]:
                 generated[b].append(t)
@@ -689,6 +756,7 @@ def full_kv_decode(
             logits_to_keep=1,
         )
         full.commit(1, 1)
+        logits = out.logits[:, -1]
         next_pos = next_pos + 1
         stats.verify_passes += 1
         _sync(device)

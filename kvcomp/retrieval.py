@@ -309,8 +309,16 @@ class Retrieval(Compressor):
         resident = state.resident_tensors() + self.summary_tensors(state.summary)
         device = sum(t.numel() * t.element_size() for t in resident) + state.fetch_bytes
         slow = {"device": 0, "host": 0, "disk": 0}
-        slow[state.tier.kind] += state.tier.nbytes()
-        return {"device": device + slow["device"], "host": slow["host"], "disk": slow["disk"]}
+        for kind, n in state.tier.nbytes_by_kind().items():  # "store": a kvcomp.store.StoreTier
+            slow[kind] = slow.get(kind, 0) + n
+        return {**slow, "device": device + slow["device"]}
+
+    def restored(self, layer, state: RetrievalState, convert: bool = True) -> RetrievalState:
+        """A state read back from a store (its tier now a :class:`kvcomp.store.StoreTier` over the stored full
+        KV): restart the prefetch the prefill had submitted for the first decode step."""
+        if self.speculative and state.pending_units is not None:
+            state.prefetcher.submit(state.step + 1, self._request(state, state.pending_units))
+        return state
 
     def stored_tokens(self, state: RetrievalState) -> torch.Tensor:
         b, h = state.sink_k.shape[:2]

@@ -68,6 +68,7 @@ class Prefilled:
     seconds: float
     prompt_tokens: list[int]
     shared: dict[int, SharedWork] = field(default_factory=dict)  # per layer, what compressors computed once
+    token_rows: list[list[int]] = field(default_factory=list)  # the prefilled ids per row (unpadded)
 
 
 @torch.inference_mode()
@@ -93,7 +94,7 @@ def prefill(model, parts: list[PromptParts], query_aware: bool = False, pad_id: 
                 cache=cache, use_cache=True, logits_to_keep=1)
     seconds = time.perf_counter() - t0
     return Prefilled(recorder, cache, out.logits[:, -1], mask, rest, query_aware, seconds,
-                     [len(p.context_ids) + len(p.question_ids) for p in parts])
+                     [len(p.context_ids) + len(p.question_ids) for p in parts], token_rows=[list(r) for r in rows])
 
 
 def _build_cache(model, pre: Prefilled, compressor: Compressor | None):

@@ -17,7 +17,10 @@ Tiers: :class:`RamTier` (a tensor on any torch device: GPU memory, or RAM on a C
 :class:`HostTier` (host memory, pinned when CUDA is present so copies to the GPU are asynchronous) and
 :class:`DiskTier` (one memory-mapped file per layer under a private temporary directory, extended as tokens are
 appended and deleted by ``free``/``close``, when the tier is garbage-collected, or at interpreter exit; it is
-also a context manager). ``make_tier("ram" | "host" | "disk")`` builds one. Returned tensors are fresh copies on
+also a context manager), and :class:`kvcomp.store.StoreTier`, the kind ``"store"`` (a layer's K/V in a
+:mod:`kvcomp.store`: a directory or a Redis server). ``make_tier(kind, ...)`` builds one from a registry of kinds
+(:func:`register_tier`), so another place for KV bytes (LMCache, Mooncake, S3) is one class in one file, or one
+:class:`kvcomp.store.Store` backend behind the ``"store"`` kind. Returned tensors are fresh copies on
 the tier's ``device`` (the compute device), never views of the storage, so a later write cannot change them.
 
 Where the disk tier's bytes go, and what they are: ``<root>/kvcomp-tier-<pid>-<random>/layer<i>.kv`` with
@@ -229,6 +232,11 @@ class Tier:
         """Bytes allocated in this tier (all layers, whole capacity)."""
         return sum(s.data.numel() * s.data.element_size() for s in self._slots.values())
 
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """:meth:`nbytes` under the key this tier's bytes are reported under (a tier whose bytes live in two
+        places, :class:`kvcomp.store.StoreTier`, splits them)."""
+        return {self.kind: self.nbytes()}
+
     def __enter__(self) -> Tier:
         return self
 
@@ -288,6 +296,7 @@ _live_dirs: dict[str, None] = {}
 _swept_roots: set[str] = set()
 _sweep_lock = threading.Lock()
 _sigterm_state: dict[str, Any] = {}
+_live_cleanups: dict[Any, Any] = {}  # key -> callable, run on SIGTERM (on_sigterm_cleanup)
 
 
 def _free_bytes(path: str) -> int:
@@ -359,11 +368,28 @@ def sweep_stale(root: str | os.PathLike) -> list[str]:
     return removed
 
 
+def on_sigterm_cleanup(key: Any, cleanup) -> None:
+    """Run ``cleanup()`` on SIGTERM too (as disk tiers' directories are removed), until :func:`drop_cleanup`;
+    for other places plaintext KV goes (a store tier's scratch entries, :mod:`kvcomp.store`)."""
+    install_sigterm_cleanup()
+    _live_cleanups[key] = cleanup
+
+
+def drop_cleanup(key: Any) -> None:
+    _live_cleanups.pop(key, None)
+
+
 def _on_sigterm(signum, frame) -> None:
     previous = _sigterm_state.get("previous")
     if os.getpid() == _sigterm_state.get("pid"):
         for path in list(_live_dirs):
             _remove_dir(path)
+        for key, cleanup in list(_live_cleanups.items()):
+            _live_cleanups.pop(key, None)
+            try:
+                cleanup()
+            except Exception:  # a store that cannot be reached now: its entries expire on their own
+                pass
     if callable(previous):
         previous(signum, frame)
         return
@@ -495,15 +521,40 @@ class DiskTier(Tier):
         return not self._finalizer.alive
 
 
+# -- the registry of tier kinds ---------------------------------------------------------------------------------
+# kind -> a Tier class, or "module:attribute" imported on first use (a store backend lives in a module that
+# imports this one). A new place for KV bytes is one class registered here: register_tier("s3", S3Tier).
+_TIERS: dict[str, type[Tier] | str] = {"ram": RamTier, "host": HostTier, "disk": DiskTier,
+                                       "store": "kvcomp.store:StoreTier"}
+
+
+def register_tier(kind: str, cls: type[Tier] | str) -> None:
+    """Make ``make_tier(kind, ...)`` build ``cls`` (a :class:`Tier` subclass, or ``"module:attribute"``)."""
+    _TIERS[kind] = cls
+
+
+def tier_kinds() -> tuple[str, ...]:
+    """Every registered kind: the local ones (:data:`TIER_KINDS`) and ``"store"`` (:mod:`kvcomp.store`)."""
+    return tuple(_TIERS)
+
+
+def tier_class(kind: str) -> type[Tier]:
+    if kind not in _TIERS:
+        raise ValueError(f"Unknown tier {kind!r}; choose one of {', '.join(_TIERS)}.")
+    cls = _TIERS[kind]
+    if isinstance(cls, str):
+        import importlib
+
+        module, _, attr = cls.partition(":")
+        cls = _TIERS[kind] = getattr(importlib.import_module(module), attr)
+    return cls
+
+
 def make_tier(kind: str, device=None, **kwargs: Any) -> Tier:
-    """``"ram"`` (fast tier), ``"host"`` or ``"disk"``; ``device`` is where fetched tensors land."""
-    if kind == "ram":
-        return RamTier(device, **kwargs)
-    if kind == "host":
-        return HostTier(device, **kwargs)
-    if kind == "disk":
-        return DiskTier(device, **kwargs)
-    raise ValueError(f"Unknown tier {kind!r}; choose one of {', '.join(TIER_KINDS)}.")
+    """``"ram"`` (fast tier), ``"host"``, ``"disk"`` or ``"store"`` (``store=`` a URL or
+    :class:`kvcomp.store.Store`), or any kind registered with :func:`register_tier`; ``device`` is where fetched
+    tensors land."""
+    return tier_class(kind)(device, **kwargs)
 
 
 # -- prefetch --------------------------------------------------------------------------------------------
