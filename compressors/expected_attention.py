@@ -10,7 +10,7 @@ model's own RoPE, read in :meth:`ExpectedAttention.bind`) gives the closed form
 ``E[exp(s q.k)] = exp(s mu_f.k + s^2 k^T S_f k / 2)`` with ``mu_f = A mu``, ``S_f = A S A^T`` and ``s`` the layer's
 scaling. These expected logits go through the layer's soft-cap, visibility (the next query's window) and sinks
 (:mod:`kvcomp.ops`), are averaged over the query group and multiplied by ``||v||``: ``[B, H_kv, n]``. The first
-``n_sink`` tokens are always kept. (A soft-capped layer caps the expected logit, an approximation: the
+``n_sink`` tokens are always kept and left out of the softmax (kvpress does the same). (A soft-capped layer caps the expected logit, an approximation: the
 expectation of a capped exponential has no closed form.)
 
 While decoding (inside a decode-time wrapper, which calls :meth:`enable_decode_scoring`) the running query sums
@@ -140,6 +140,9 @@ class ExpectedAttention(TokenSelection):
             logits = logits + 0.5 * s * s * (ks * kg).sum(-1)
         logits = softcap(logits, ctx.spec.softcap)
         allowed = visible(next_pos.view(b, 1, 1, 1), positions.unsqueeze(2), ctx.spec.window) & valid.unsqueeze(2)
+        # The always-kept first n_sink tokens stay out of the softmax (as kvpress's press does): they draw most
+        # of the attention, and their share would set how much each query head weighs in the group's mean.
+        allowed = allowed & (positions >= self.n_sink).unsqueeze(2)
         allowed = allowed | ~allowed.any(-1, keepdim=True)
         sinks = None if ctx.spec.sinks is None else ctx.spec.sinks.float().to(keys.device).view(1, hkv, g, 1)
         probs = softmax(logits.masked_fill(~allowed, float("-inf")), sinks).mean(2)  # [B, H_kv, L]

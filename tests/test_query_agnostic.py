@@ -103,12 +103,14 @@ def test_tova_scores_the_last_querys_attention_averaged_over_the_group():
     ctx = ctx_for(torch.arange(3).view(1, 1, 3), torch.arange(3).view(1, 3), g=2)
     head0 = torch.tensor([1.0, 0.0, 2.0]).softmax(0)
     head1 = torch.tensor([0.0, 0.0, 1.0]).softmax(0)
+    assert TOVA(aggregate="group").score(q, k, k, ctx)[0, 0].tolist() == pytest.approx(((head0 + head1) / 2).tolist(), abs=1e-6)
+    # The default averages over every query head of the layer (here one group): the same, and each KV head alike.
     assert TOVA().score(q, k, k, ctx)[0, 0].tolist() == pytest.approx(((head0 + head1) / 2).tolist(), abs=1e-6)
     # Sliding window 2: the last query (position 2) does not see position 0.
     ctx = dataclasses.replace(ctx, spec=AttentionSpec(scaling=1.0, window=2))
     head0 = torch.tensor([0.0, 2.0]).softmax(0)
     head1 = torch.tensor([0.0, 1.0]).softmax(0)
-    assert TOVA().score(q, k, k, ctx)[0, 0].tolist() == pytest.approx([0.0, *((head0 + head1) / 2).tolist()], abs=1e-6)
+    assert TOVA(aggregate="group").score(q, k, k, ctx)[0, 0].tolist() == pytest.approx([0.0, *((head0 + head1) / 2).tolist()], abs=1e-6)
 
 
 def test_expected_attention_closed_form_on_a_hand_case():
@@ -212,7 +214,7 @@ def test_adaptive_keep_by_hand():
     assert keep.sum(-1).tolist() == [[2, 2]]
 
 
-@pytest.mark.parametrize("scorer", ["knorm", "expected_attention", "tova"])
+@pytest.mark.parametrize("scorer", ["knorm", "expected_attention", TOVA(aggregate="group")], ids=["knorm", "ea", "tova"])
 @pytest.mark.parametrize("floor", [0.2, 0.6])
 def test_adakv_keeps_the_layer_budget_with_the_floor_in_ragged_bytes(tiny, scorer, floor):
     model, tokenizer = tiny
@@ -513,3 +515,28 @@ def test_shared_prefill_equals_own_prefill_for_the_new_methods(tiny64, query_awa
         assert shared == alone, compressor
         assert shared_stats["cache"].resident_bytes() == alone_stats["cache"].resident_bytes(), compressor
         assert shared_stats["cache"].memory_factor() > 1.3, compressor
+
+
+@pytest.mark.parametrize("spec", [AttentionSpec(scaling=0.4), AttentionSpec(scaling=0.4, softcap=3.0),
+                                  AttentionSpec(scaling=0.4, sinks=torch.tensor([0.3, -0.2, 1.0, 0.0]))],
+                         ids=["plain", "softcap", "sinks"])
+def test_kvzip_attention_and_scores_from_one_pass_equal_the_direct_forms(spec):
+    from compressors.kvzip import attend_and_score
+
+    gen = torch.Generator().manual_seed(1)
+    b, hkv, g, d, n_ctx, m = 1, 2, 2, 8, 30, 7
+    ck, cv = torch.randn(b, hkv, n_ctx, d, generator=gen), torch.randn(b, hkv, n_ctx, d, generator=gen)
+    bk, bv = torch.randn(b, hkv, m, d, generator=gen), torch.randn(b, hkv, m, d, generator=gen)
+    cpos = torch.arange(n_ctx).expand(b, hkv, n_ctx)
+    bpos = (n_ctx + torch.arange(m)).expand(b, hkv, m)
+    q = torch.randn(b, hkv * g, m, d, generator=gen)
+    ctx = dataclasses.replace(ctx_for(bpos, bpos[:, 0], spec=spec), spec=spec)
+    protected, start, stop = 3, 10, 20
+    out, scores = attend_and_score(q, ctx, (ck, cv, cpos), (bk, bv, bpos), protected, start, stop)
+    keys, values = torch.cat([ck, bk], 2), torch.cat([cv, bv], 2)
+    expected, _ = dense_attention(q, keys, values, bpos[:, 0], torch.cat([cpos, bpos], 2), spec)
+    assert torch.allclose(out, expected, atol=1e-5)
+    sub = torch.cat([ck[:, :, :protected], ck[:, :, start:stop], bk], 2)
+    sub_pos = torch.cat([cpos[:, :, :protected], cpos[:, :, start:stop], bpos], 2)
+    direct = reconstruction_scores(q, sub, sub_pos, ctx, protected, stop - start)
+    assert torch.allclose(scores, direct, atol=1e-6)
