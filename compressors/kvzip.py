@@ -140,13 +140,10 @@ class KVzip(TokenSelection):
 
         def observe(layer, q, ctx, context, block):
             if layer not in scores:
-                return
-            ck, _, cpos = context
-            bk, _, bpos = block
+                return None  # a sliding layer: attended as usual, not scored
             start, stop = current["start"], current["stop"]
-            keys = torch.cat([ck[:, :, :protected], ck[:, :, start:stop], bk], dim=2)
-            positions = torch.cat([cpos[:, :, :protected], cpos[:, :, start:stop], bpos.to(cpos.dtype)], dim=2)
-            scores[layer][..., start:stop] = reconstruction_scores(q, keys, positions, ctx, protected, stop - start)
+            out, scores[layer][..., start:stop] = attend_and_score(q, ctx, context, block, protected, start, stop)
+            return out
 
         device = ctx0.token_ids.device
         for start, stop, rep in chunks:
@@ -175,6 +172,36 @@ class KVzip(TokenSelection):
                 layer.state = RaggedStore.from_dense(layer.state, mask)
             else:
                 layer.state = select_top(layer.state, scores[layer.layer_idx], budget)
+
+
+def attend_and_score(q, ctx, context, block, protected: int, start: int, stop: int):
+    """The attention output of the repetition queries ``q`` ``[B, H_q, m, D]`` over the prefilled ``context`` and
+    the repetition ``block`` (each ``(keys, values, positions)``), and the chunk's reconstruction scores
+    ``[B, H_kv, stop - start]`` from the same probabilities: renormalised over the protected prefix, the chunk
+    and the repetition (and the sink), as :func:`reconstruction_scores` computes them directly."""
+    (ck, cv, cpos), (bk, bv, bpos) = context, block
+    keys, values = torch.cat([ck, bk], dim=2), torch.cat([cv, bv], dim=2)
+    positions = torch.cat([cpos.to(bpos.dtype), bpos], dim=2)
+    b, hq, m, d = q.shape
+    hkv, n_ctx = keys.shape[1], ck.shape[2]
+    g = hq // hkv
+    out = torch.empty_like(q)
+    best = torch.zeros(b, hkv, stop - start, dtype=torch.float32, device=q.device)
+    for lo in range(0, m, _QUERY_ROWS):
+        hi = min(m, lo + _QUERY_ROWS)
+        rows = hi - lo
+        qg = q[:, :, lo:hi].reshape(b, hkv, g * rows, d)
+        q_pos = ctx.query_positions[:, lo:hi]
+        allowed = visible(q_pos[:, None, None, :, None], positions[:, :, None, None, :], ctx.spec.window)
+        allowed = allowed.expand(b, hkv, g, rows, positions.shape[-1]).reshape(b, hkv, g * rows, -1)
+        probs = attention_probs(qg, keys, allowed, ctx.spec, ctx.spec.grouped_sinks(hkv, rows, q.device))
+        out[:, :, lo:hi] = torch.matmul(probs.to(values.dtype), values).view(b, hkv, g, rows, d).reshape(b, hq, rows, d)
+        chunk = probs[..., start:stop]
+        total = probs[..., :protected].sum(-1) + chunk.sum(-1) + probs[..., n_ctx:].sum(-1)
+        if ctx.spec.sinks is not None:
+            total = total + (1.0 - probs.sum(-1)).clamp_min(0.0)  # the sink's share stays in the denominator
+        best = torch.maximum(best, (chunk / total.clamp_min(1e-30).unsqueeze(-1)).amax(2))
+    return out, best
 
 
 def reconstruction_scores(q, keys, positions, ctx, protected: int, n_chunk: int) -> torch.Tensor:

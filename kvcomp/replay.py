@@ -3,7 +3,9 @@
 :func:`replay` runs the model over new token blocks *after* the prefill held by a ``CompressedCache``, each
 block attending to every layer's prefilled K/V plus its own (causal) and then forgotten, so the next block sees
 the prefill alone again. A callback sees each layer's queries and keys of every block (positions after the
-prefill), to score the prefilled tokens by what the block's queries attend to. The replay goes through the
+prefill), to score the prefilled tokens by what the block's queries attend to, and may compute the layer's
+attention output itself (from the same probabilities) instead of the default dense attention. The replay goes
+through the
 model's own forward with a second ``CompressedCache`` (kvcomp's attention function, no patching), built from the
 first one's states without copying them.
 """
@@ -20,7 +22,8 @@ from kvcomp.compressor import Capabilities, Compressor, LayerContext
 from kvcomp.ops import dense_attention
 
 # callback(layer, q [B, H_q, m, D], ctx, context_kv (keys, values, positions), block_kv (keys, values, positions))
-Observer = Callable[[int, torch.Tensor, LayerContext, tuple, tuple], None]
+# -> the attention output [B, H_q, m, D], or None for the default (dense over the context and the block).
+Observer = Callable[[int, torch.Tensor, LayerContext, tuple, tuple], torch.Tensor | None]
 
 
 @dataclass
@@ -39,7 +42,9 @@ class _Replay(Compressor):
     def attend(self, layer, state, q, ctx):
         (ck, cv, cpos), (bk, bv, bpos) = state
         if self.observer is not None:
-            self.observer(layer, q, ctx, (ck, cv, cpos), (bk, bv, bpos))
+            out = self.observer(layer, q, ctx, (ck, cv, cpos), (bk, bv, bpos))
+            if out is not None:
+                return out
         keys, values = torch.cat([ck, bk], dim=2), torch.cat([cv, bv], dim=2)
         positions = torch.cat([cpos.to(bpos.dtype), bpos], dim=2)
         out, _ = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.spec)
