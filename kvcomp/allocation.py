@@ -61,7 +61,7 @@ def _overrides(obj, name: str) -> bool:
 class ScorerWrapper(TokenSelection):
     """Base of methods that wrap a scorer (see the module docstring)."""
 
-    scorer: str | TokenSelection = "expected_attention"
+    scorer: str = "expected_attention"  # a registered name, or (from Python) a TokenSelection instance
 
     capabilities: ClassVar[Capabilities] = Capabilities()
 
