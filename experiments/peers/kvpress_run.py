@@ -7,6 +7,7 @@ Each sample's context ids are prefilled with ``model.model`` inside the press's 
 pipeline does), then the question ids and a greedy generation of ``max_new_tokens`` without it (query-agnostic;
 query-aware: the press sees the question too), with the positions kvpress's pipeline gives. Records and summaries
 go in the layout ``kvcomp report`` reads (:mod:`experiments.peers.records`), one directory per press and ratio,
+written after every sample (a rerun resumes),
 labelled ``kvpress-<press>-<ratio>``; fidelity is to kvpress's own uncompressed output of the same sample, and
 ``kvcomp_reference_match`` says whether that equals kvcomp's uncompressed output. Seconds are per sample,
 prefill (context and question) and decode; memory is the cache's tensors at the end of generation.
@@ -113,16 +114,23 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     samples = [json.loads(line) for line in Path(args.samples).read_text().splitlines() if line.strip()]
-    references: dict[str, list[int]] = {}
+    references: dict[tuple, list[int]] = {}
     specs = ["none", *[p for p in args.presses if p != "none"]]
     for spec in specs:
         name, _, ratio = spec.partition(":")
         ratio = float(ratio or 0.0)
-        groups: dict[tuple, list[dict]] = {}
+        label = "kvpress-none" if name == "none" else f"kvpress-{name}-{ratio:g}"
         for sample in samples:
+            directory = peer_records.run_dir(Path(args.out), sample["task"], sample["length"], sample["mode"], label)
+            done = peer_records.read_run(directory)[0] if (directory / "results.jsonl").is_file() else []
+            previous = next((r for r in done if r["id"] == sample["id"]), None)
+            key = (sample["id"], sample["mode"])
+            if previous is not None:  # resume: a rerun skips what is there
+                if name == "none":
+                    references[key] = previous["token_ids"]
+                continue
             press = None if name == "none" else make_press(name, ratio)
             ids, prefill, decode, resident, full = run_sample(model, tokenizer, sample, press)
-            key = (sample["id"], sample["mode"])
             if name == "none":
                 references[key] = ids
             text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -135,16 +143,13 @@ def main(argv=None) -> int:
                 "full_bytes": full, "memory_factor": full / resident if resident else float("inf"),
                 "mode": sample["mode"], "query_aware": sample["mode"] == "query_aware",
                 "compressor": {"name": f"kvpress:{name}", "params": {"compression_ratio": ratio}},
-                "model": f"{args.model} (kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '0.5.5'})",
+                "model": f"{Path(args.model).name} (kvpress {getattr(kvpress, '__version__', '0.5.5')})",
                 "dtype": "float32", **peer_records.fidelity(ids, references[key]),
                 "kvcomp_reference_match": ids == sample["kvcomp_reference_ids"] if name == "none" else None,
             }
-            groups.setdefault((sample["task"], sample["length"], sample["mode"]), []).append(record)
+            peer_records.write_run(directory, [*done, record])  # after every sample: an interrupted run resumes
             print(f"{spec:24s} {sample['id']:40s} score {record['score']:5.1f} exact {record['exact_match']} "
                   f"mf {record['memory_factor']:.2f} {prefill + decode:.1f} s", flush=True)
-        for (task, length, mode), rows in groups.items():
-            label = "kvpress-none" if name == "none" else f"kvpress-{name}-{ratio:g}"
-            peer_records.write_run(peer_records.run_dir(Path(args.out), task, length, mode, label), rows)
     return 0
 
 
