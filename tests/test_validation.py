@@ -26,9 +26,9 @@ from compressors.h2o import H2O
 from compressors.inertiakv import InertiaKV
 from compressors.keydiff import KeyDiff
 from compressors.knorm import KNorm
+from compressors.kvtc import KVTC
 from compressors.kvzip import KVzip
 from compressors.pyramidkv import PyramidKV
-from compressors.kvtc import KVTC
 from compressors.quant import Quant
 from compressors.snapkv import SnapKV
 from compressors.specache import SpeCache
