@@ -7,7 +7,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lint format clean redis
+.PHONY: setup demo test test-fast lint format clean redis peers
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,15 @@ lint: setup
 
 format: setup
 	$(VENV)/bin/ruff format .
+
+# kvpress side by side (experiments/peers/README.md): its own venv, never part of `make test`.
+peers: .venv-peers/.installed
+
+.venv-peers/.installed: experiments/peers/requirements.txt
+	$(PYTHON) -m venv .venv-peers
+	.venv-peers/bin/pip install -q "$(TORCH_SPEC)"
+	.venv-peers/bin/pip install -q -r experiments/peers/requirements.txt
+	touch $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -19,7 +19,7 @@ import torch
 from kvcomp import validation
 from kvcomp.compressor import Capabilities
 from kvcomp.ops import AttentionSpec, attention_probs, visible
-from kvcomp.selection import TokenSelection, TokenStore, compact, recent_mask, select_top, store_from_block
+from kvcomp.selection import TokenSelection, TokenStore, recent_mask
 
 _PREFILL_CHUNK = 256
 
@@ -77,29 +77,23 @@ class H2O(TokenSelection):
         window = torch.ceil(kept.float() * self.recent_fraction).long()
         return scores.masked_fill(recent_mask(positions, seen, window), float("inf"))
 
-    def prefill(self, layer, q, k, v, ctx):
-        store = store_from_block(k, v, ctx)
-
-        def accumulate():
-            return accumulated_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions, ctx.spec)
-
+    def prefill_stats(self, q, k, v, ctx):
         # Every prompt token gets its accumulated attention, also when nothing is evicted yet, so that
         # decode-time eviction starts from the prompt's statistics. It is the same for every budget: a sweep
         # sharing one prefill (kvcomp.shared_prefill) computes it once per layer.
+        def accumulate():
+            return accumulated_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions, ctx.spec)
+
         if ctx.shared is None:
-            store.scores = accumulate()
-        else:
-            store.scores = ctx.shared.get("h2o.accumulated_attention", accumulate).clone()
-        store.scores.masked_fill_(~store.valid, 0.0)
-        n_real = store.valid[:, 0].sum(-1)
-        budget = self.kept_tokens(n_real)
-        if bool((budget >= n_real).all()):
-            return compact(store)
-        return select_top(store, self._protect_recent(store.scores, store.positions, ctx.seen, budget), budget)
+            return accumulate()
+        return ctx.shared.get("h2o.accumulated_attention", accumulate).clone()
+
+    def prefill_score(self, store, q, k, v, ctx, budget):
+        return self._protect_recent(store.scores, store.positions, ctx.seen, budget)
 
     def decode_score(self, store: TokenStore, ctx):
         return self._protect_recent(store.scores, store.positions, ctx.seen, self.kept_tokens(ctx.seen))
 
     def observe(self, layer, state: TokenStore, weights, ctx):
         # weights: [B, H_kv, G, n_q, L] -> accumulate over the group and the new queries.
-        state.scores += weights.sum(dim=(2, 3))
+        state.scores += state.unpad(weights.sum(dim=(2, 3)))

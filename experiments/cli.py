@@ -288,6 +288,18 @@ def _export(args) -> int:
 def _calibrate(args) -> int:
     import time
 
+    if args.method == "heads":
+        from kvcomp import head_calibration
+
+        model, tokenizer = _load(args)
+        out = args.out or head_calibration.default_artifact_path(model)
+        t0 = time.perf_counter()
+        path = head_calibration.calibrate(model, tokenizer, out, samples=args.samples, length=args.seq_len)
+        pattern = head_calibration.load_artifact(path)
+        print(f"{path}\n  {pattern.meta['samples']} synthetic passkey prompts of {pattern.meta['length']} tokens, "
+              f"{pattern.meta['num_layers']} layers x {pattern.meta['num_kv_heads']} KV heads, "
+              f"{time.perf_counter() - t0:.1f} s")
+        return 0
     from kvcomp import kvtc_calibration as calibration
 
     text = _read_text(args.data, "--data") if args.data else None
@@ -441,13 +453,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where the <dataset>__<length>__<model>__<press>__<ratio> dirs go")
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("calibrate", help="fit a method's calibration artifact (kvtc: PCA bases and bit tables)")
-    p.add_argument("method", choices=["kvtc"])
+    p = sub.add_parser("calibrate", help="fit a method's calibration artifact (kvtc: PCA bases and bit tables; "
+                                         "heads: DuoAttention's streaming/retrieval head pattern)")
+    p.add_argument("method", choices=["kvtc", "heads"])
     model_args(p)
     p.add_argument("--data", default=None, help="a plain-text file; default: Python stdlib docstrings (offline)")
     p.add_argument("--out", default=None, help="artifact path; default: the model's path under $KVCOMP_CACHE/kvtc")
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (heads: per prompt)")
+    p.add_argument("--samples", type=int, default=8, help="heads: synthetic passkey prompts")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("bench", help="prefill/decode speed, memory and roofline of each compressor vs none")

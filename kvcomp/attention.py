@@ -244,6 +244,20 @@ def set_active(layer) -> None:
     _active.layer = layer
 
 
+def _record_input_ids(module, args) -> None:
+    """Forward pre-hook on the model's input embedding: the ids of the forward now starting, for the cache's
+    first layer to take (:func:`take_input_ids`)."""
+    if args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+        _active.input_ids = args[0]
+
+
+def take_input_ids() -> torch.Tensor | None:
+    """The input ids recorded by the embedding of the forward now running (None: called with embeddings)."""
+    ids = getattr(_active, "input_ids", None)
+    _active.input_ids = None
+    return ids
+
+
 def take_active(layer_idx: int):
     layer = getattr(_active, "layer", None)
     if layer is None or layer.layer_idx != layer_idx or layer.pending is None:
@@ -292,10 +306,19 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_NAME, kvcomp_mask)
 
 
+_hooked: weakref.WeakSet = weakref.WeakSet()
+
+
 def install(model) -> None:
-    """Route the model's attention through kvcomp (it behaves like before unless a CompressedCache is in use)."""
+    """Route the model's attention through kvcomp (it behaves like before unless a CompressedCache is in use).
+    A forward pre-hook on the input embedding records each forward's ids (it computes nothing), so a cache can
+    hand a compressor the ids of the block it compresses (``LayerContext.token_ids``)."""
     register()
     check_supported(model)
+    embedding = model.get_input_embeddings()
+    if embedding is not None and embedding not in _hooked:
+        embedding.register_forward_pre_hook(_record_input_ids)
+        _hooked.add(embedding)
     current = getattr(model.config, "_attn_implementation", None)
     if current != ATTN_NAME:
         for module in attention_modules(model).values():

@@ -15,6 +15,7 @@ sliding layer holds. ``memory_factor`` is relative to what transformers' own cac
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvcomp.attention import install, layer_specs, set_active
+from kvcomp.attention import install, layer_specs, set_active, take_input_ids
 from kvcomp.compressor import SENTINEL, Compressor, CompressorError, LayerContext
 from kvcomp.ops import AttentionSpec, dense_attention
 from kvcomp.selection import WindowStore
@@ -81,6 +82,8 @@ class CompressedLayer(CacheLayerMixin):
                 "function. Build the cache with CompressedCache(model, compressor), which installs it, and do not "
                 "change model.config._attn_implementation afterwards."
             )
+        if self.layer_idx == 0:  # the first layer of a forward: its input ids, recorded by the embedding
+            self.owner.block_ids = take_input_ids()
         if self.owner.tee is not None:
             self.owner.tee(self.layer_idx, key_states, value_states)
         self.split = None
@@ -178,11 +181,14 @@ class CompressedLayer(CacheLayerMixin):
             n_groups=query.shape[1] // hkv,
             question_length=self.owner.question_length,
             next_position=self.next_position,
+            token_ids=self.owner.block_ids if self.owner.block_ids is not None and
+            tuple(self.owner.block_ids.shape) == (b, n) else None,
         )
 
     def build(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> None:
         """The state from a prefilled block (its attention ran on the full K/V)."""
         self.state = self.compressor.prefill(self.layer_idx, q, k, v, ctx)
+        self.owner.layer_built(self, ctx)
 
     def _attend(self, query, k, v, position_ids, valid):
         if self.state is not None and k.shape[2] > 1 and self.layer_idx == 0:
@@ -226,6 +232,9 @@ class CompressedCache(Cache):
     def __init__(self, model, compressor: Compressor, question_length: int | list[int] | None = None):
         install(model)
         compressor.bind(model)
+        self._model = weakref.ref(model)
+        self.block_ids: torch.Tensor | None = None  # input ids of the forward now running (see attention.install)
+        self._prefill_contexts: dict[int, LayerContext] = {}
         if isinstance(question_length, int):
             question_length = [question_length]
         if question_length is not None:
@@ -240,6 +249,18 @@ class CompressedCache(Cache):
         self.tee: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         self.staged: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.snapshots: list[LayerSnapshot | None] = [None] * len(layers)
+
+    @property
+    def model(self):
+        """The model this cache serves."""
+        return self._model()
+
+    def layer_built(self, layer: CompressedLayer, ctx: LayerContext) -> None:
+        """A layer's state was built from the prefill; once all are, the compressor's ``after_prefill`` runs."""
+        self._prefill_contexts[layer.layer_idx] = ctx
+        if len(self._prefill_contexts) == len(self.layers):
+            contexts, self._prefill_contexts = self._prefill_contexts, {}
+            self.compressor.after_prefill(self, contexts)
 
     # -- lossless decoding -----------------------------------------------------------------------------
     def stage_verified(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:

@@ -10,6 +10,8 @@ holding that layer's KV in whatever form it stores it; the framework (``kvcomp.c
 ``attend(layer, state, q, ctx)``               inside attention: output over what the state keeps
 ``observe(layer, state, weights, ctx)``        attention statistics, when ``needs_attention_weights``
 ``after_attend(layer, state, ctx)``            after each forward's attention: evict what it has decided
+``after_prefill(cache, contexts)``             once every layer's state is built from the prefill: decide over
+                                               all layers at once (KVzip: re-read the context, global top-k)
 ``checkpoint(state)`` / ``rollback(state, s)``  snapshot a state / restore it (undo what was appended since)
 ``nbytes(state)``                              resident bytes per tier
 ``restored(layer, state, convert)``            a state read back from a store, before it serves (optional)
@@ -102,6 +104,8 @@ class LayerContext:
     spec: how the layer attends (scaling, sliding window, soft-cap, sinks).
     question_length: ``[B]`` tokens at the end of each prompt that hold the question, when the caller knows it.
     next_position: ``[B]`` position of each row's next token after this block (None: derived from the queries).
+    token_ids: ``[B, n]`` input ids of this block (left-padded like ``positions``), when the model was called
+    with ids (KVzip re-reads the prompt); None otherwise.
     """
 
     layer: int
@@ -115,6 +119,7 @@ class LayerContext:
     # Set by kvcomp.shared_prefill when several compressors build from the same prefill; None otherwise.
     shared: SharedWork | None = None
     next_position: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
 
     @property
     def scaling(self) -> float:
@@ -177,6 +182,12 @@ class Compressor:
         """The state once this forward's attention (``attend``, ``observe``) is done: what a method decides
         from the step's own attention happens here. Default: unchanged."""
         return state
+
+    def after_prefill(self, cache, contexts: dict[int, LayerContext]) -> None:
+        """Called once by ``CompressedCache`` when every layer's state has been built from the prefill
+        (``contexts``: each layer's prefill :class:`LayerContext`). A method that decides over all layers at once
+        replaces ``cache.layers[i].state`` of its layers here; ``cache.model`` is the model (for extra forward
+        passes, which count in the prefill's time). Default: nothing."""
 
     def checkpoint(self, state: Any) -> Any:
         """A snapshot from which :meth:`rollback` restores ``state`` as it is now. Default: a deep copy."""
@@ -252,6 +263,11 @@ class Compose(Compressor):
             if not isinstance(stage, Compressor):
                 raise CompressorError(f"Compose takes Compressor instances, got {stage!r}.")
         for stage in self.stages[:-1]:
+            if type(stage).after_prefill is not Compressor.after_prefill:
+                raise CompressorError(
+                    f"{type(stage).__name__} decides over all layers after the prefill, so it can only be the last "
+                    "stage of Compose."
+                )
             if stage.capabilities.decode_time:
                 raise CompressorError(
                     f"{type(stage).__name__} evicts during decoding, so it can only be the last stage of Compose."
@@ -312,6 +328,9 @@ class Compose(Compressor):
 
     def after_attend(self, layer, state, ctx):
         return self._last().after_attend(layer, state, ctx)
+
+    def after_prefill(self, cache, contexts):
+        return self._last().after_prefill(cache, contexts)
 
     def checkpoint(self, state):
         return self._last().checkpoint(state)

@@ -39,6 +39,18 @@ LOSSY = {
     "kvtc": dict(compression_factor=4, window=8, block_size=8, n_sink=2),
     "freekv": dict(top_k=2, page_size=4, window=8, n_sink=2, tier="ram"),
     "specache": dict(top_k=4, group_size=8, window=8, n_sink=2, tier="ram"),
+    "knorm": dict(compression_ratio=0.5),
+    "keydiff": dict(compression_ratio=0.5),
+    "tova": dict(compression_ratio=0.5),
+    "expected_attention": dict(compression_ratio=0.5, n_sink=2),
+    # No instruction and no chat template: the tiny test models have no tokenizer of their own.
+    "kvzip": dict(compression_ratio=0.5, chunk_size=16, n_sink=2, prompt="", continue_prompt="", chat_template=False),
+    "adakv": dict(compression_ratio=0.5, scorer="knorm"),
+    "pyramidkv": dict(compression_ratio=0.5, scorer="knorm"),
+    "criticalkv": dict(compression_ratio=0.5, scorer="knorm"),
+    "duo_attention": dict(compression_ratio=0.5, scorer="knorm", heads="alternating", n_sink=2, recent=8),
+    "decode_evict": dict(compression_ratio=0.5, scorer="knorm"),
+    "inertiakv": dict(compression_ratio=0.5, scorer="knorm", refresh=4, window=4),
 }
 
 NEEDS_ARTIFACT = {"kvtc"}

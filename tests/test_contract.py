@@ -21,6 +21,7 @@ import kvcomp
 from kvcomp import CompressedCache, CompressorError, TokenSelection, generate, kvtc_calibration
 from kvcomp.compressor import SENTINEL
 from kvcomp.generation import generate_ids, split_prompt
+from kvcomp.ragged import RaggedStore
 from tests.helpers import CONTEXTS, QUESTIONS
 from tests.methods import NEEDS_ARTIFACT, exact, lossy, names
 from tests.test_compression import reference_generate
@@ -120,18 +121,28 @@ def test_hook_shapes_and_bytes_are_the_tensors_that_exist(tiny, artifact, name):
 
 @pytest.mark.parametrize("name", [n for n in NAMES if issubclass(kvcomp.available()[n], TokenSelection)])
 def test_selection_bytes_follow_the_hand_formula(tiny, name):
-    """Kept K/V at the model dtype plus an int32 position per slot and KV head (plus a float32 score for methods
-    that keep statistics): nothing is padded to the prompt length."""
+    """Kept K/V at the model dtype plus an int32 position per slot and KV head (plus a float32 per statistic a
+    method keeps per token): nothing is padded to the prompt length. A ragged store (per-head budgets) holds
+    the kept tokens of all heads back to back plus an int64 count per row and KV head: no padding to the
+    largest head either."""
     model, _ = tiny
     cache = CompressedCache(model, lossy(name))
     feed(model, cache, prompt_ids(80), 0)
     d, itemsize = model.config.head_dim, 4
     for layer in cache.layers:
         store = layer.state
-        b, h, slots = store.positions.shape
-        per_slot = 2 * d * itemsize + 4 + (4 if store.scores is not None else 0)
-        assert layer.compressor.nbytes(store)["device"] == b * h * slots * per_slot
-        assert slots == int(layer.compressor.stored_tokens(store).max()) < 80
+        per_slot = 2 * d * itemsize + 4 + sum(4 for t in (store.scores, getattr(store, "aux", None)) if t is not None)
+        extra = sum(t.numel() * t.element_size() for t in (getattr(store, "extra", None) or {}).values())
+        if isinstance(store, RaggedStore):
+            b, h = store.lengths.shape
+            n = int(store.lengths.sum())
+            assert store.keys.shape == (n, d) and store.positions.shape == (n,)
+            assert layer.compressor.nbytes(store)["device"] == n * per_slot + 8 * b * h + extra
+            assert n < b * h * int(store.lengths.max()) or bool((store.lengths == store.lengths.max()).all())
+        else:
+            b, h, slots = store.positions.shape
+            assert layer.compressor.nbytes(store)["device"] == b * h * slots * per_slot + extra
+        assert int(layer.compressor.stored_tokens(store).max()) < 80
 
 
 # -- checkpoint / rollback ------------------------------------------------------------------------------------------

@@ -16,13 +16,24 @@ import pytest
 import torch
 
 import kvcomp
+from compressors.adakv import AdaKV
+from compressors.criticalkv import CriticalKV
+from compressors.decode_evict import DecodeEvict
+from compressors.duo_attention import DuoAttention
+from compressors.expected_attention import ExpectedAttention
 from compressors.freekv import FreeKV
 from compressors.h2o import H2O
+from compressors.inertiakv import InertiaKV
+from compressors.keydiff import KeyDiff
+from compressors.knorm import KNorm
 from compressors.kvtc import KVTC
+from compressors.kvzip import KVzip
+from compressors.pyramidkv import PyramidKV
 from compressors.quant import Quant
 from compressors.snapkv import SnapKV
 from compressors.specache import SpeCache
 from compressors.streaming_llm import StreamingLLM
+from compressors.tova import TOVA
 from kvcomp import validation
 from kvcomp.compressor import CompressorError
 from kvcomp.lossless import Lossless, Sampling
@@ -40,7 +51,24 @@ RETRIEVAL = {"budget_fraction": [5.0, 1.01, INF, NAN, 0, -0.1, True],
              "tau": [True, 1.5, -1.5, NAN, "0.8"],
              "correction": ["x", True],
              "offload_dir": [5, "", True]}
+WRAPPED = {**SELECTION, "scorer": [5, True, None, "nonexistent", "quant", "kvzip"]}
+DECODE = {**WRAPPED, "target_size": [0, True, 1.5, -3], "interval": [0, True, 2.0]}
 BAD: dict[type, dict[str, list]] = {
+    KNorm: SELECTION,
+    KeyDiff: SELECTION,
+    TOVA: {**SELECTION, "aggregate": ["mean", 1, True]},
+    ExpectedAttention: {**SELECTION, "n_future": [0, True, 1.5], "n_sink": [True, -1, 2.0],
+                        "use_covariance": ["yes", 1, None], "use_vnorm": ["no", 0], "epsilon": [True, -1.0, NAN, "0"]},
+    KVzip: {**SELECTION, "level": ["pair", 1], "n_sink": [True, -1], "chunk_size": [0, True, 1.5],
+            "overlap": [-1, True], "prompt": [5, None], "continue_prompt": [5, True], "chat_template": ["yes", 1]},
+    AdaKV: {**WRAPPED, "floor": [True, 1.5, -0.1, NAN]},
+    PyramidKV: {**WRAPPED, "beta": [True, 0.5, NAN, "20"], "window": [True, -1, 1.5]},
+    CriticalKV: {**WRAPPED, "epsilon": [True, -1.0, INF], "first_stage_ratio": [True, 1.5, -0.1]},
+    DuoAttention: {**WRAPPED, "streaming_fraction": [True, 1.5, -0.1], "n_sink": [True, -1], "recent": [0, True],
+                   "heads": ["all", 1], "artifact": [5, "", True]},
+    DecodeEvict: DECODE,
+    InertiaKV: {**DECODE, "beta": [True, 1.0, -0.1, NAN], "mode": ["full", 1], "refresh": [0, True],
+                "window": [-1, True]},
     StreamingLLM: {**SELECTION, "n_sink": [True, -1, 1.5, 10**20]},
     H2O: {**SELECTION, "recent_fraction": [True, 1.5, -0.1, NAN, "0.5"]},
     SnapKV: {**SELECTION, "window": [True, 0, -1, 2.0], "kernel_size": [True, 0, 2, 10**20],
@@ -109,6 +137,10 @@ def test_booleans_are_not_numbers_in_any_registered_compressor(name):
     lambda: SpeCache(budget_fraction=0.25, value_group=16, speculative=False, overlap=False),
     lambda: KVTC(compression_factor=1, block_size=512),
     lambda: Quant(bits=2, residual=0, n_sink=0),
+    lambda: AdaKV(scorer=PyramidKV(scorer="tova"), floor=1, compression_ratio=0.5),
+    lambda: DecodeEvict(scorer=AdaKV(scorer="knorm"), target_size=8, interval=3),
+    lambda: InertiaKV(scorer="h2o", mode="score_free", beta=0, window=0),
+    lambda: KVzip(level="head", n_sink=0, overlap=0, prompt="", chat_template=False),
     lambda: Lossless(gamma=1, max_gamma=1, tier="disk", tier_options={"directory": "/tmp"}),
     lambda: Sampling(temperature=0.7, top_k=0, top_p=1, seed=3),
 ])

@@ -1,0 +1,90 @@
+"""CriticalKV: scores scaled by how much each value moves the attention output.
+
+Feng et al., "Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective", 2025,
+https://arxiv.org/abs/2502.03805
+
+Wraps any scorer (``s``, ``[B, H_kv, n]``). Stage one keeps the ``first_stage_ratio`` share of the budget with
+the best ``s``; the rest is ranked by ``(s + epsilon) * ||v W_o||_1``, the L1 norm of each value projected by its
+query heads' slices of the output projection ``W_o`` (``[H_q, D, hidden]``), averaged over the group (kvpress's
+CriticalKVPress; ``AdaKV(scorer=CriticalKV(...))`` is its CriticalAdaKV). The projected norms depend only on
+the prompt, so a sweep sharing a prefill computes them once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp import validation
+from kvcomp.allocation import ScorerWrapper
+from kvcomp.attention import attention_modules
+from kvcomp.compressor import CompressorError
+
+_OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+
+
+def output_projection(module) -> torch.Tensor:
+    """The attention module's output projection weight ``[hidden, H_q * D]``."""
+    for name in _OUTPUT_PROJECTIONS:
+        proj = getattr(module, name, None)
+        weight = getattr(proj, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            return weight.t() if type(proj).__name__ == "Conv1D" else weight  # GPT-2 stores it transposed
+    raise CompressorError(f"CriticalKV found no output projection ({', '.join(_OUTPUT_PROJECTIONS)}) on "
+                          f"{type(module).__name__}.")
+
+
+def projected_value_norm(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``values`` ``[B, H_kv, L, D]``, ``weight`` ``[hidden, H_q * D]`` -> ``[B, H_kv, L]``: ``||v W_o[h_q]||_1``
+    averaged over the query heads of each KV head's group."""
+    b, hkv, length, d = values.shape
+    hq = weight.shape[1] // d
+    g = hq // hkv
+    w = weight.t().reshape(hkv, g, d, -1).to(values.dtype)  # [H_kv, G, D, hidden]
+    out = torch.empty(b, hkv, length, dtype=torch.float32, device=values.device)
+    for h in range(hkv):  # one KV head at a time bounds the [B, G, L, hidden] product
+        out[:, h] = torch.matmul(values[:, h].unsqueeze(1), w[h]).abs().sum(-1).float().mean(1)
+    return out
+
+
+@dataclass
+class CriticalKV(ScorerWrapper):
+    epsilon: float = 1e-4
+    first_stage_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validation.finite_float("epsilon", self.epsilon, 0.0, owner=self)
+        validation.fraction("first_stage_ratio", self.first_stage_ratio, owner=self,
+                            hint=" (share of the budget chosen by the scorer alone)")
+        self._weights: dict[int, torch.Tensor] = {}
+
+    def bind(self, model) -> None:
+        super().bind(model)
+        self._weights = {i: output_projection(m) for i, m in attention_modules(model).items()}
+
+    def _critical(self, scores, values, valid, budget, layer, shared=None):
+        if layer not in self._weights:
+            raise CompressorError("CriticalKV reads the output projections in bind(); use it through CompressedCache.")
+
+        def norms():
+            return projected_value_norm(values, self._weights[layer])
+
+        norm = norms() if shared is None else shared.get(("criticalkv.norm", tuple(values.shape)), norms)
+        first = torch.floor(budget.float() * self.first_stage_ratio).long()
+        width = int(first.max().clamp(max=scores.shape[-1])) if first.numel() else 0
+        out = (scores.float() + self.epsilon) * norm
+        if width:
+            top = scores.float().masked_fill(~valid, float("-inf")).topk(width, dim=-1).indices
+            stage_one = torch.arange(width, device=scores.device).view(1, 1, -1) < first.view(-1, 1, 1)
+            out = out.scatter(2, top, torch.where(stage_one, float("inf"), out.gather(2, top)))
+        return out
+
+    def prefill_score(self, store, q, k, v, ctx, budget):
+        scores = super().prefill_score(store, q, k, v, ctx, budget)
+        return self._critical(scores, v, store.valid, budget, ctx.layer, ctx.shared)
+
+    def decode_score(self, store, ctx):
+        budget = self.layer_budget(self.held_tokens(ctx), ctx)
+        return self._critical(super().decode_score(store, ctx), store.values, store.valid, budget, ctx.layer)

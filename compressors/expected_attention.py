@@ -1,0 +1,183 @@
+"""Expected Attention: keep the tokens future queries are expected to attend to, from query statistics.
+
+Devoto et al., "Expected Attention: KV Cache Compression by Estimating Attention from Future Queries
+Distribution", 2025, https://arxiv.org/abs/2510.00636 (kvpress's ExpectedAttentionPress)
+
+Queries before RoPE are modelled per query head as a Gaussian (mean ``mu`` ``[B, H_q, D]``, covariance ``S``
+``[B, H_q, D, D]``, from the real queries of the prompt after the first ``n_sink``). A query at future position
+``j`` is ``R(j) q``; averaging the rotation over the next ``n_future`` positions (``A = mean_j R(j)``, the
+model's own RoPE, read in :meth:`ExpectedAttention.bind`) gives the closed form
+``E[exp(s q.k)] = exp(s mu_f.k + s^2 k^T S_f k / 2)`` with ``mu_f = A mu``, ``S_f = A S A^T`` and ``s`` the layer's
+scaling. These expected logits go through the layer's soft-cap, visibility (the next query's window) and sinks
+(:mod:`kvcomp.ops`), are averaged over the query group and multiplied by ``||v||``: ``[B, H_kv, n]``. The first
+``n_sink`` tokens are always kept and left out of the softmax (kvpress does the same). (A soft-capped layer caps the expected logit, an approximation: the
+expectation of a capped exponential has no closed form.)
+
+While decoding (inside a decode-time wrapper, which calls :meth:`enable_decode_scoring`) the running query sums
+are kept with the layer (``store.extra``, counted in its bytes) and updated with each step's queries, and the
+stored keys are re-scored for the positions after the current one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomp import validation
+from kvcomp.attention import UnsupportedModel, check_rope, rotary_embedding
+from kvcomp.compressor import CompressorError
+from kvcomp.ops import softcap, softmax, visible
+from kvcomp.selection import TokenSelection
+from kvcomp.transform_coding import _cos_sin, apply_rope, undo_rope
+
+
+def average_rotation(start: torch.Tensor, n_future: int, inv_freq: torch.Tensor, scaling: float, dim: int
+                     ) -> torch.Tensor:
+    """``[B, D, D]`` matrix ``A`` with ``x @ A = mean_{j < n_future} rope(x, start[b] + j)`` for row vectors ``x``
+    (rotate-half RoPE on the first ``2 * len(inv_freq)`` channels, the rest unrotated)."""
+    positions = start.view(-1, 1).float() + torch.arange(n_future, device=start.device).float().view(1, -1)
+    cos, sin = _cos_sin(positions, inv_freq.to(start.device), scaling, torch.float32)  # [B, F, R]
+    c, s = cos.mean(1), sin.mean(1)  # [B, R]
+    rot, half = c.shape[-1], c.shape[-1] // 2
+    eye = torch.eye(dim, device=start.device)
+    out = eye.expand(start.numel(), dim, dim).clone()
+    out[:, :, :rot] = eye[:, :rot] * c.unsqueeze(1)
+    # rotate_half(x)[i] = -x[i + half] (i < half), x[i - half] (i >= half)
+    out[:, half:rot, :half] -= eye[half:rot, half:rot] * s[:, None, :half]
+    out[:, :half, half:rot] += eye[:half, :half] * s[:, None, half:]
+    return out
+
+
+@dataclass
+class ExpectedAttention(TokenSelection):
+    n_future: int = 512
+    n_sink: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validation.positive_int("n_future", self.n_future, owner=self, hint=" (future positions averaged)")
+        validation.non_negative_int("n_sink", self.n_sink, owner=self, hint=" (first tokens always kept)")
+        validation.boolean("use_covariance", self.use_covariance, owner=self)
+        validation.boolean("use_vnorm", self.use_vnorm, owner=self)
+        validation.finite_float("epsilon", self.epsilon, 0.0, owner=self)
+        self._rope: dict[bool, tuple[torch.Tensor, float] | None] = {}
+        self._decode = False
+
+    # -- model ------------------------------------------------------------------------------------------
+    def bind(self, model) -> None:
+        """Read the RoPE of each layer type (None: the model has none, queries carry no rotation) and check that
+        it is the rotate-half RoPE undone here; refused (UnsupportedModel) only when tokens would be evicted."""
+        from kvcomp.attention import layer_specs
+
+        compressing = self.budget is not None or self.compression_ratio > 0
+        for sliding in {spec.window is not None for spec in layer_specs(model)}:
+            kind = "sliding_attention" if sliding else "full_attention"
+            try:
+                inv_freq, scaling = rotary_embedding(model, kind)
+            except UnsupportedModel as err:
+                if "no rotary embedding" not in str(err):
+                    raise
+                self._rope[sliding] = None
+                continue
+            try:
+                check_rope(model, lambda x, pos, f=inv_freq, s=scaling: apply_rope(x, pos, f.to(x.device), s), kind)
+            except UnsupportedModel:
+                if compressing:
+                    raise
+            self._rope[sliding] = (inv_freq, scaling)
+
+    def enable_decode_scoring(self) -> None:
+        self._decode = True
+
+    def _rope_of(self, ctx):
+        key = ctx.spec.window is not None
+        if key not in self._rope:
+            raise CompressorError("ExpectedAttention reads the model's RoPE in bind(); use it through CompressedCache.")
+        return self._rope[key]
+
+    # -- statistics -------------------------------------------------------------------------------------
+    def _pre_rope(self, q, positions, ctx):
+        rope = self._rope_of(ctx)
+        if rope is None:
+            return q.float()
+        inv_freq, scaling = rope
+        return undo_rope(q.float(), positions.unsqueeze(1), inv_freq.to(q.device), scaling)
+
+    def query_sums(self, q, ctx, real):
+        """Running sums of the real pre-RoPE queries ``[B, H_q, n, D]`` (``real``: ``[B, n]``): count ``[B]``,
+        sum ``[B, H_q, D]``, sum of outer products ``[B, H_q, D, D]`` (when ``use_covariance``)."""
+        x = self._pre_rope(q, ctx.query_positions, ctx) * real[:, None, :, None]
+        sums = {"q_count": real.sum(1).float(), "q_sum": x.sum(2)}
+        if self.use_covariance:
+            sums["q_outer"] = torch.matmul(x.transpose(-1, -2), x)
+        return sums
+
+    def _expected_scores(self, keys, values, positions, valid, sums, next_pos, ctx):
+        b, hkv, length, d = keys.shape
+        hq = sums["q_sum"].shape[1]
+        g = hq // hkv
+        count = sums["q_count"].clamp_min(1.0).view(b, 1, 1)
+        mu = sums["q_sum"] / count  # [B, H_q, D]
+        rope = self._rope_of(ctx)
+        if rope is not None:
+            rot = average_rotation(next_pos, self.n_future, rope[0], rope[1], d)  # [B, D, D]
+            mu_f = torch.matmul(mu, rot)
+        else:
+            rot, mu_f = None, mu
+        kf = keys.float()
+        kg = kf.unsqueeze(2)  # [B, H_kv, 1, L, D]
+        s = ctx.spec.scaling
+        logits = torch.matmul(kg, mu_f.view(b, hkv, g, d, 1)).squeeze(-1) * s  # [B, H_kv, G, L]
+        if self.use_covariance:
+            cov = sums["q_outer"] / count.unsqueeze(-1) - mu.unsqueeze(-1) * mu.unsqueeze(-2)
+            if rot is not None:
+                cov = rot.transpose(-1, -2).unsqueeze(1) @ cov @ rot.unsqueeze(1)
+            ks = torch.matmul(kg, cov.view(b, hkv, g, d, d))  # [B, H_kv, G, L, D]
+            logits = logits + 0.5 * s * s * (ks * kg).sum(-1)
+        logits = softcap(logits, ctx.spec.softcap)
+        allowed = visible(next_pos.view(b, 1, 1, 1), positions.unsqueeze(2), ctx.spec.window) & valid.unsqueeze(2)
+        # The always-kept first n_sink tokens stay out of the softmax (as kvpress's press does): they draw most
+        # of the attention, and their share would set how much each query head weighs in the group's mean.
+        allowed = allowed & (positions >= self.n_sink).unsqueeze(2)
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+        sinks = None if ctx.spec.sinks is None else ctx.spec.sinks.float().to(keys.device).view(1, hkv, g, 1)
+        probs = softmax(logits.masked_fill(~allowed, float("-inf")), sinks).mean(2)  # [B, H_kv, L]
+        if self.use_vnorm:
+            probs = (probs + self.epsilon) * values.float().norm(dim=-1)
+        return probs.masked_fill(positions < self.n_sink, float("inf"))
+
+    # -- scoring ----------------------------------------------------------------------------------------
+    def score(self, q, k, v, ctx):
+        def compute():
+            real = ctx.query_valid & (ctx.query_positions >= self.n_sink)
+            sums = self.query_sums(q, ctx, real.float())
+            return self._expected_scores(k, v, ctx.positions, ctx.valid, sums, ctx.next_positions(), ctx)
+
+        if ctx.shared is None:
+            return compute()
+        key = ("expected_attention", tuple(k.shape), self.n_future, self.n_sink, self.use_covariance,
+               self.use_vnorm, self.epsilon)
+        return ctx.shared.get(key, compute).clone()
+
+    def prefill_extra(self, q, ctx):
+        if not self._decode:
+            return None
+        real = ctx.query_valid & (ctx.query_positions >= self.n_sink)
+        return self.query_sums(q, ctx, real.float())
+
+    def attend(self, layer, state, q, ctx):
+        if state.extra and "q_sum" in state.extra:  # decode-time scoring: this step's queries join the statistics
+            new = self.query_sums(q, ctx, ctx.query_valid.float())
+            state.extra = {**state.extra, **{name: state.extra[name] + new[name] for name in new}}
+        return super().attend(layer, state, q, ctx)
+
+    def decode_score(self, store, ctx):
+        if not store.extra or "q_sum" not in store.extra:
+            raise CompressorError("ExpectedAttention scores while decoding only inside a decode-time wrapper "
+                                  "(decode_evict, inertiakv), which keeps its query statistics.")
+        return self._expected_scores(store.keys, store.values, store.positions, store.valid, store.extra,
+                                     ctx.next_positions(), ctx)

@@ -1,0 +1,74 @@
+"""kvcomp and kvpress side by side: ``python -m experiments.peers.compare GRID PEERS --out DIR``.
+
+Reads kvcomp's grid runs and the peer runs (:mod:`experiments.peers.records`) with ``kvcomp report``'s reader,
+writes the full report of both (``report.csv``, ``report.md``, plots) and ``side_by_side.md``/``.csv``: one row per
+task, length, mode and (method, ratio) present on both sides, with score, exact match with each side's own
+uncompressed output, measured memory_factor and seconds per sample (prefill + decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.report import collect, make_report
+from kvcomp import files
+
+# kvcomp name -> kvpress press name, where the two implement the same method.
+SHARED = {"none": "none", "streaming_llm": "streaming_llm", "knorm": "knorm", "keydiff": "keydiff", "tova": "tova",
+          "snapkv": "snapkv", "expected_attention": "expected_attention", "kvzip": "kvzip", "adakv": "adakv",
+          "criticalkv": "criticalkv", "pyramidkv": "pyramidkv"}
+
+
+def side_by_side(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows present for both kvcomp and kvpress, matched on task, length, mode, method and ratio."""
+    df = df.copy()
+    df["seconds"] = df["prefill_seconds"].fillna(0) + df["decode_seconds"].fillna(0)
+    df["ratio"] = df["compression_ratio"].fillna(0.0).round(4)
+    is_peer = df["compressor"].astype(str).str.startswith("kvpress:")
+    ours = df[~is_peer & df["compressor"].isin(list(SHARED))].copy()
+    ours["method"] = ours["compressor"]
+    peers = df[is_peer].copy()
+    peers["method"] = peers["compressor"].str.removeprefix("kvpress:").map({v: k for k, v in SHARED.items()})
+    keys = ["task", "length", "mode", "method", "ratio"]
+    columns = ["score", "exact_match_rate", "memory_factor", "seconds"]
+    merged = ours[keys + columns].merge(peers[keys + columns], on=keys, suffixes=("_kvcomp", "_kvpress"))
+    return merged.sort_values(keys).reset_index(drop=True)
+
+
+def _markdown(df: pd.DataFrame) -> str:
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    for row in df.itertuples(index=False):
+        lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def compare(grid: Path, peers: Path, out: Path) -> dict[str, Path]:
+    out = files.make_dirs(Path(out), Path(out).parent)
+    written = make_report([grid, peers], out)
+    table = side_by_side(collect([grid, peers]))
+    written["side_by_side_csv"] = out / "side_by_side.csv"
+    written["side_by_side_md"] = out / "side_by_side.md"
+    with files.open_output(written["side_by_side_csv"], "w", newline="") as f:
+        table.to_csv(f, index=False)
+    files.write_text(written["side_by_side_md"],
+                     "kvcomp vs kvpress on the same samples: score (x100), exact match with each side's own "
+                     "uncompressed output, measured memory_factor, seconds per sample.\n\n" + _markdown(table))
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("grid")
+    parser.add_argument("peers")
+    parser.add_argument("--out", default="reports/side-by-side")
+    args = parser.parse_args(argv)
+    for kind, path in compare(Path(args.grid), Path(args.peers), Path(args.out)).items():
+        print(f"{kind:20s} {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

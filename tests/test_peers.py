@@ -1,0 +1,49 @@
+"""The kvpress side-by-side's record format and reader (the peer's own venv is not part of the test suite)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from experiments.peers import records
+from experiments.peers.compare import compare, side_by_side
+from experiments.report import collect
+
+FIXTURE = Path(__file__).parent / "fixtures" / "peers"
+RUN = FIXTURE / "ruler_niah_single_1" / "L4096" / "agnostic" / "kvpress-tova-0.75"
+
+
+def test_peer_records_read_back_checked_and_summarized():
+    rows, summary = records.read_run(RUN)
+    assert [r["score"] for r in rows] == [100.0, 0.0]
+    assert summary["score"] == 50.0 and summary["exact_match_rate"] == 0.5 and summary["mean_first_divergence"] == 1
+    assert summary == {**records.summarize(rows, "ruler/niah_single_1", 4096), "run_dir": summary["run_dir"]}
+    bad = dict(rows[0], score=140.0)
+    with pytest.raises(ValueError, match="not in 0..100"):
+        records.check_record(bad)
+    with pytest.raises(ValueError, match="lacks"):
+        records.check_record({k: v for k, v in rows[0].items() if k != "memory_factor"})
+    assert records.fidelity([1, 2, 3], [1, 2]) == {"exact_match": False, "first_divergence": 2, "length_change": 1,
+                                                    "agreement": 1.0}
+
+
+def test_kvcomp_report_reads_peer_runs_beside_its_own(tmp_path):
+    peers = tmp_path / "peers"
+    shutil.copytree(FIXTURE, peers)
+    grid = tmp_path / "grid" / "ruler_niah_single_1" / "L4096" / "agnostic" / "tova-0.75"
+    grid.mkdir(parents=True)
+    ours = {"n": 2, "mode": "query_agnostic", "compressor": {"name": "tova", "params": {"compression_ratio": 0.75}},
+            "task": "ruler/niah_single_1", "length": 4096, "score": 100.0, "memory_factor": 3.97,
+            "exact_match_rate": 1.0, "prefill_seconds": 5.0, "decode_seconds": 1.0}
+    (grid / "summary.json").write_text(json.dumps(ours))
+    df = collect([tmp_path / "grid", peers])
+    assert set(df["label"]) == {"tova (agnostic)", "kvpress:tova (agnostic)"}
+    table = side_by_side(df)
+    assert len(table) == 1
+    row = table.iloc[0]
+    assert (row.score_kvcomp, row.score_kvpress, row.memory_factor_kvpress, row.seconds_kvpress) == (100.0, 50.0, 4.0, 8.0)
+    written = compare(tmp_path / "grid", peers, tmp_path / "report")
+    assert "| ruler/niah_single_1 | 4096 | query_agnostic | tova | 0.75 |" in written["side_by_side_md"].read_text()
