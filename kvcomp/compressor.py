@@ -189,6 +189,11 @@ class Compressor:
         replaces ``cache.layers[i].state`` of its layers here; ``cache.model`` is the model (for extra forward
         passes, which count in the prefill's time). Default: nothing."""
 
+    @property
+    def decides_after_prefill(self) -> bool:
+        """Whether this method overrides :meth:`after_prefill` (it decides over all layers at once)."""
+        return type(self).after_prefill is not Compressor.after_prefill
+
     def checkpoint(self, state: Any) -> Any:
         """A snapshot from which :meth:`rollback` restores ``state`` as it is now. Default: a deep copy."""
         return clone_state(state)
@@ -263,7 +268,7 @@ class Compose(Compressor):
             if not isinstance(stage, Compressor):
                 raise CompressorError(f"Compose takes Compressor instances, got {stage!r}.")
         for stage in self.stages[:-1]:
-            if type(stage).after_prefill is not Compressor.after_prefill:
+            if stage.decides_after_prefill:
                 raise CompressorError(
                     f"{type(stage).__name__} decides over all layers after the prefill, so it can only be the last "
                     "stage of Compose."
@@ -331,6 +336,10 @@ class Compose(Compressor):
 
     def after_prefill(self, cache, contexts):
         return self._last().after_prefill(cache, contexts)
+
+    @property
+    def decides_after_prefill(self) -> bool:
+        return self._last().decides_after_prefill
 
     def checkpoint(self, state):
         return self._last().checkpoint(state)
