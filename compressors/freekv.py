@@ -47,7 +47,7 @@ class FreeKV(Retrieval):
 
     def summarize(self, k, v, previous: PageDigest | None) -> PageDigest:
         b, h, n, d = k.shape
-        pages = k.view(b, h, n // self.page_size, self.page_size, d)
+        pages = k.reshape(b, h, n // self.page_size, self.page_size, d)
         key_min, key_max = pages.amin(3), pages.amax(3)
         if previous is not None:
             key_min = torch.cat([previous.key_min, key_min], dim=2)

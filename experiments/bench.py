@@ -112,10 +112,12 @@ def rss_bytes() -> int:
 
 
 class PeakMemory:
-    """Samples the process RSS (and CUDA's peak allocation) every few ms while the ``with`` block runs."""
+    """Samples the process RSS (and CUDA's peak allocation) every few ms while the ``with`` block runs;
+    ``peak - start`` is the block's rise (on CUDA: peak allocated over what was allocated at the start).
+    ``collect``: run the garbage collector first (off for a decode step: it would cost more than the step)."""
 
-    def __init__(self, device: str, interval: float = 0.01):
-        self.device, self.interval = device, interval
+    def __init__(self, device: str, interval: float = 0.01, collect: bool = True):
+        self.device, self.interval, self.collect = device, interval, collect
         self.start = self.peak = 0
         self._stop = threading.Event()
 
@@ -124,9 +126,11 @@ class PeakMemory:
             self.peak = max(self.peak, rss_bytes())
 
     def __enter__(self) -> PeakMemory:
-        gc.collect()
+        if self.collect:
+            gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
+            self._cuda_start = torch.cuda.memory_allocated()
         self.start = self.peak = rss_bytes()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -137,7 +141,7 @@ class PeakMemory:
         self._thread.join()
         self.peak = max(self.peak, rss_bytes())
         if self.device.startswith("cuda"):
-            self.start, self.peak = 0, torch.cuda.max_memory_allocated()
+            self.start, self.peak = self._cuda_start, torch.cuda.max_memory_allocated()
 
 
 def copy_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
@@ -209,11 +213,13 @@ def prefill(model, ids: torch.Tensor, compressor, device: str) -> dict[str, Any]
 def decode_step(model, run: dict[str, Any], compressor, device: str) -> None:
     """One greedy decode step on a prefilled run (its time appended to ``run["step_s"]``)."""
     _use_attention(model, compressor)
-    t0 = time.perf_counter()
-    out = model(input_ids=run["next_ids"], cache=run["cache"], use_cache=True, logits_to_keep=1)
-    run["next_ids"] = out.logits[:, -1:].argmax(-1)
-    _sync(device)
-    run["step_s"].append(time.perf_counter() - t0)
+    with PeakMemory(device, collect=False) as memory:
+        t0 = time.perf_counter()
+        out = model(input_ids=run["next_ids"], cache=run["cache"], use_cache=True, logits_to_keep=1)
+        run["next_ids"] = out.logits[:, -1:].argmax(-1)
+        _sync(device)
+        run["step_s"].append(time.perf_counter() - t0)
+    run["decode_rise"] = max(run.get("decode_rise", 0), memory.peak - memory.start)
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -230,6 +236,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         kv_bytes=resident.get("device", 0),
         kv_slow_tier_bytes=resident.get("host", 0) + resident.get("disk", 0),
         full_kv_bytes=full,
+        decode_peak_rise_mb=run.get("decode_rise", float("nan")) / 2**20 if steps else float("nan"),
     )
     return row
 
@@ -240,7 +247,10 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     At each context every compressor prefills once (in turn, each prefill timed alone), then the decode steps
     are interleaved, one step of each compressor in turn, so that a change in the machine's load (a shared
     machine) slows all of them alike and the ratios to ``none`` stay meaningful. ``peak_rise_mb`` is the rise
-    of the process's resident memory during a compressor's prefill (its cache plus prefill transients).
+    of the process's resident memory during a compressor's prefill (its cache plus prefill transients; on
+    CUDA, of allocated device memory); ``decode_peak_rise_mb`` the largest rise within one decode step over
+    the memory held just before it (the step's transients: fetched pages, attention buffers). Both are peaks;
+    ``memory_factor`` is the bytes the cache holds at rest.
     """
     from kvcomp import load_model
 
@@ -322,6 +332,7 @@ COLUMNS = [
     ("kv_bytes", "KV MiB", None),
     ("memory_factor", "memory factor", "{:.2f}"),
     ("peak_rise_mb", "prefill RSS rise MiB", "{:.0f}"),
+    ("decode_peak_rise_mb", "decode step rise MiB", "{:.1f}"),
     ("roofline_ms", "roofline ms", "{:.1f}"),
     ("roofline_fraction", "of roofline", "{:.2f}"),
 ]

@@ -191,12 +191,15 @@ class Retrieval(Compressor):
         tier = make_tier(kind, device=k.device, **kwargs)
         tier.write(layer, k, v)
         sinks = min(self.n_sink, n)
+        # The recent part starts as a view of the prompt's K/V: summarising copies only what it keeps, and the
+        # window is cloned once, so the prefill holds no second copy of the layer's full K/V.
         state = RetrievalState(
             tier, layer, start, n, sinks, sinks, k[:, :, :sinks].clone(), v[:, :, :sinks].clone(),
-            k[:, :, sinks:].clone(), v[:, :, sinks:].clone(), None,
+            k[:, :, sinks:], v[:, :, sinks:], None,
             Prefetcher(overlap=self.overlap, device=k.device),
         )
-        self._advance(state)
+        if not self._advance(state):
+            state.recent_k, state.recent_v = state.recent_k.clone(), state.recent_v.clone()
         if self.speculative:
             self._prefetch_next(state, q, ctx.scaling)
         return state

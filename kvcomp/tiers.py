@@ -60,6 +60,7 @@ import errno
 import fcntl
 import itertools
 import math
+import mmap
 import os
 import shutil
 import signal
@@ -80,6 +81,7 @@ from kvcomp.validation import ResourceError
 
 TIER_KINDS = ("ram", "host", "disk")
 _MIN_GROWTH = 256  # tokens added at least when a layer's storage grows
+WRITE_CHUNK = 512  # tokens interleaved into the storage layout at a time (bounds the write's temporary copy)
 
 
 @dataclass
@@ -113,6 +115,10 @@ class Tier:
 
     def _release(self, layer: int) -> None:
         pass
+
+    def _drop_pages(self, layer: int) -> None:
+        """After an access: give back whatever of the layer's storage the access made resident in this process
+        (a mapped file's pages). Default: nothing (the storage is the process's memory by design)."""
 
     # -- API -------------------------------------------------------------------------------------------
     @property
@@ -156,9 +162,12 @@ class Tier:
     def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         slot = self._slots[layer]
         n = k.shape[2]
-        if n:
-            kv = torch.stack([k, v], dim=3).permute(2, 0, 1, 3, 4)  # [n, B, H, 2, D]
-            slot.data[slot.length : slot.length + n] = kv.to(slot.data.device, slot.data.dtype)
+        # In bounded chunks: interleaving K and V into the storage layout never copies the whole layer at once.
+        for a in range(0, n, WRITE_CHUNK):
+            b = min(n, a + WRITE_CHUNK)
+            kv = torch.stack([k[:, :, a:b], v[:, :, a:b]], dim=3).permute(2, 0, 1, 3, 4)  # [b - a, B, H, 2, D]
+            slot.data[slot.length + a : slot.length + b] = kv.to(slot.data.device, slot.data.dtype)
+        self._drop_pages(layer)
         slot.length += n
         self.bytes_written += 2 * k.numel() * slot.data.element_size()
 
@@ -178,6 +187,7 @@ class Tier:
             out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device, pin_memory=self._pin_out(kv))
             out.copy_(kv)
             self.bytes_read += out.numel() * out.element_size()
+            self._drop_pages(layer)
         out = self._to(out, device, non_blocking)
         return out[..., 0, :], out[..., 1, :]
 
@@ -205,6 +215,7 @@ class Tier:
                 bi, hi, ji = wanted.nonzero(as_tuple=True)
                 out[bi, hi, ji] = slot.data[index[bi, hi, ji], bi, hi]
             self.bytes_read += int(wanted.sum()) * slot.data[0, 0, 0].numel() * out.element_size()
+            self._drop_pages(layer)
         out = self._to(out, device, non_blocking)
         return out[..., 0, :], out[..., 1, :]
 
@@ -503,6 +514,13 @@ class DiskTier(Tier):
         # Extend the file and map it again: the stored tokens are not copied.
         tail, dtype = self._meta[layer]
         return self._map(layer, capacity, tail, dtype, create=False)
+
+    def _drop_pages(self, layer):
+        # The file's pages stay in the OS page cache (written back when the kernel decides); unmapping them here
+        # keeps them out of this process's resident memory, so the offloaded KV does not count against it.
+        mm = getattr(self._maps.get(layer), "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_DONTNEED)
 
     def _release(self, layer):
         self._maps.pop(layer, None)
