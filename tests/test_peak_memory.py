@@ -74,7 +74,8 @@ def test_no_compression_holds_its_full_kv(rises):
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(n in OVER, reason=OVER.get(n, ""), strict=True))
+    # strict for H2O (far over); KVzip's excess is near the margin, so it may pass before it is fixed
+    pytest.param(n, marks=pytest.mark.xfail(n in OVER, reason=OVER.get(n, ""), strict=n == "h2o"))
     for n in names() if n not in NEEDS_ARTIFACT and n not in OFFLOADING] + [f"{n}@disk" for n in OFFLOADING])
 def test_prefill_peak_is_at_most_no_compression(rises, name):
     assert rises[name] <= rises["none"] + MARGIN_MB, rises
