@@ -54,7 +54,7 @@ def add_confidence(df: pd.DataFrame, samples: list[dict[str, dict]]) -> pd.DataF
         exact = [float(s["exact_match"]) for s in per_sample.values() if s.get("exact_match") is not None]
         rows[i]["score_ci_low"], rows[i]["score_ci_high"] = bootstrap_ci(scores)
         rows[i]["exact_match_ci_low"], rows[i]["exact_match_ci_high"] = bootstrap_ci(exact)
-    keys = df[GROUP].astype(str).agg("|".join, axis=1)
+    keys = df[GROUP].apply(lambda row: "|".join(map(str, row)), axis=1)  # astype(str) keeps NaN in pandas 3
     for _, members in df.groupby(keys, sort=False):
         idx = list(members.index)
         none = [i for i in idx if df.at[i, "compressor"] == "none"]

@@ -57,13 +57,29 @@ def find_runs(paths: Iterable[str | Path]) -> list[Path]:
     return sorted(runs)
 
 
+def _variant(name: str, params: dict) -> str:
+    """``name`` plus the parameters other than the ratio/budget that differ from the method's defaults
+    (``adakv[scorer=tova]``), so that two configurations of one method never share a row or a curve."""
+    import dataclasses
+
+    import kvcomp
+
+    cls = kvcomp.available().get(name)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return name
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    changed = [f"{k}={v}" for k, v in sorted(params.items())
+               if k not in ("compression_ratio", "budget") and k in defaults and v != defaults[k]]
+    return f"{name}[{','.join(changed)}]" if changed else name
+
+
 def _row(run_dir: Path) -> dict[str, Any]:
     s = json.loads((run_dir / "summary.json").read_text())
     comp = s.get("compressor") or {}
     if not isinstance(comp, dict):  # "mixed": the run's records disagree; keep it visible
         comp = {"name": str(comp), "params": {}}
     params = comp.get("params") or {}
-    name = comp.get("name", "?")
+    name = _variant(comp.get("name", "?"), params)
     ratio = params.get("compression_ratio")
     mode = s.get("mode")
     tasks = s.get("tasks") or []
