@@ -144,6 +144,25 @@ class PeakMemory:
             self.start, self.peak = self._cuda_start, torch.cuda.max_memory_allocated()
 
 
+def fixed_malloc_threshold(nbytes: int = 1 << 16) -> bool:
+    """Make glibc serve every allocation of ``nbytes`` or more by its own mapping, returned when freed
+    (``mallopt(M_MMAP_THRESHOLD)``, which also turns off its dynamic threshold). With glibc's default the
+    threshold grows to 32 MiB after the first large free, the prefill's transients then come from the heap and
+    fragmentation keeps them resident, so a process's peak depends on allocation order more than on what the
+    cache holds (measured: FreeKV at 4K rose 583 MiB with the default, 122 MiB with this, none 282 MiB). The
+    benchmark sets it so that the peaks compare what each method allocates; returns whether it could."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name or platform.system() != "Linux":
+        return False
+    try:
+        return bool(ctypes.CDLL(name).mallopt(-3, nbytes))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def copy_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes per second a large tensor copy moves on ``device`` (best of ``repeats``; each byte is read once
     and written once, so a read-only stream is bounded by about this rate)."""
@@ -262,6 +281,7 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     built = [build_compressor(s, config) for s in specs]  # bad names fail before the model loads
     if model is None:
         model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
+    malloc_fixed = fixed_malloc_threshold()
     bandwidth = copy_bandwidth(config.device)
     weights = weight_bytes(model)
     log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; weights {weights / 2**20:.0f} MiB; "
@@ -304,6 +324,7 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
         "copy_bandwidth_bytes_s": bandwidth,
         "weight_bytes": weights,
         "threads": torch.get_num_threads(),
+        "malloc_mmap_threshold_fixed": malloc_fixed,
         "torch": torch.__version__,
         "machine": platform.machine(),
         "processor": platform.processor(),
