@@ -41,7 +41,7 @@ def projected_value_norm(values: torch.Tensor, weight: torch.Tensor) -> torch.Te
     b, hkv, length, d = values.shape
     hq = weight.shape[1] // d
     g = hq // hkv
-    w = weight.t().reshape(hkv, g, d, -1).to(values.dtype)  # [H_kv, G, D, hidden]
+    w = weight.detach().t().reshape(hkv, g, d, -1).to(values.dtype)  # [H_kv, G, D, hidden]; never tracked
     out = torch.empty(b, hkv, length, dtype=torch.float32, device=values.device)
     for h in range(hkv):  # one KV head at a time bounds the [B, G, L, hidden] product
         out[:, h] = torch.matmul(values[:, h].unsqueeze(1), w[h]).abs().sum(-1).float().mean(1)

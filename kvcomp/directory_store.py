@@ -33,32 +33,9 @@ def _free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _stale(path: str) -> bool:
     """Whether the temporary directory ``path`` (named ``<pid>-...``) belongs to a process that is gone."""
-    try:
-        fd = os.open(os.path.join(path, _OWNER), os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        pid = os.path.basename(path).split("-", 1)[0]
-        return pid.isdigit() and not _pid_alive(int(pid))
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return True
+    return tiers.is_stale_dir(path, prefix="", lock_name=_OWNER)
 
 
 def _write_file(path: str, data) -> None:

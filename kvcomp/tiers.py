@@ -335,15 +335,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _is_stale(path: str) -> bool:
-    """Whether the tier directory ``path`` belongs to a process that is gone (see the module docstring)."""
-    lock = os.path.join(path, OWNER_LOCK)
+def is_stale_dir(path: str, prefix: str = TIER_PREFIX, lock_name: str = OWNER_LOCK) -> bool:
+    """Whether the private directory ``path`` (named ``<prefix><pid>-...``, holding ``lock_name`` flock-ed by
+    its owner as long as it lives) belongs to a process that is gone (see the module docstring). The one rule
+    for the tiers' directories and the directory store's temporary ones."""
+    lock = os.path.join(path, lock_name)
     try:
         fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         # Being created (the lock comes right after the directory), or left by a kvcomp without locks: the
         # pid in the name decides; a name without one cannot be judged and is left alone.
-        pid = os.path.basename(path)[len(TIER_PREFIX):].split("-", 1)[0]
+        pid = os.path.basename(path)[len(prefix):].split("-", 1)[0]
         return pid.isdigit() and not _pid_alive(int(pid))
     except OSError:
         return False
@@ -369,7 +371,7 @@ def sweep_stale(root: str | os.PathLike) -> list[str]:
         path = os.path.join(root, name)
         if not name.startswith(TIER_PREFIX) or path in _live_dirs or os.path.islink(path) or not os.path.isdir(path):
             continue
-        if _is_stale(path):
+        if is_stale_dir(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     if removed:
