@@ -190,11 +190,7 @@ def attend_and_score(q, ctx, context, block, protected: int, start: int, stop: i
     for lo in range(0, m, _QUERY_ROWS):
         hi = min(m, lo + _QUERY_ROWS)
         rows = hi - lo
-        qg = q[:, :, lo:hi].reshape(b, hkv, g * rows, d)
-        q_pos = ctx.query_positions[:, lo:hi]
-        allowed = visible(q_pos[:, None, None, :, None], positions[:, :, None, None, :], ctx.spec.window)
-        allowed = allowed.expand(b, hkv, g, rows, positions.shape[-1]).reshape(b, hkv, g * rows, -1)
-        probs = attention_probs(qg, keys, allowed, ctx.spec, ctx.spec.grouped_sinks(hkv, rows, q.device))
+        probs = _row_probs(q, lo, hi, keys, positions, ctx)
         out[:, :, lo:hi] = torch.matmul(probs.to(values.dtype), values).view(b, hkv, g, rows, d).reshape(b, hq, rows, d)
         chunk = probs[..., start:stop]
         total = probs[..., :protected].sum(-1) + chunk.sum(-1) + probs[..., n_ctx:].sum(-1)
@@ -204,22 +200,28 @@ def attend_and_score(q, ctx, context, block, protected: int, start: int, stop: i
     return out, best
 
 
+def _row_probs(q, lo: int, hi: int, keys, positions, ctx) -> torch.Tensor:
+    """Attention probabilities ``[B, H_kv, G * (hi - lo), L]`` of the queries ``lo:hi`` of ``q`` over ``keys``,
+    grouped per KV head, with the layer's visibility, soft-cap and sinks."""
+    b, hq, _, d = q.shape
+    hkv = keys.shape[1]
+    g, rows = hq // hkv, hi - lo
+    qg = q[:, :, lo:hi].reshape(b, hkv, g * rows, d)
+    q_pos = ctx.query_positions[:, lo:hi]
+    allowed = visible(q_pos[:, None, None, :, None], positions[:, :, None, None, :], ctx.spec.window)
+    allowed = allowed.expand(b, hkv, g, rows, positions.shape[-1]).reshape(b, hkv, g * rows, -1)
+    return attention_probs(qg, keys, allowed, ctx.spec, ctx.spec.grouped_sinks(hkv, rows, q.device))
+
+
 def reconstruction_scores(q, keys, positions, ctx, protected: int, n_chunk: int) -> torch.Tensor:
     """``[B, H_kv, n_chunk]``: the largest attention the repetition queries ``q`` ``[B, H_q, m, D]`` give each
     chunk token, over the keys ``[B, H_kv, protected + n_chunk + m, D]`` (protected prefix, chunk, repetition),
     with the layer's own visibility, soft-cap and sinks, maximised over the query group and the queries."""
-    b, hq, m, d = q.shape
-    hkv = keys.shape[1]
-    g = hq // hkv
-    best = torch.zeros(b, hkv, n_chunk, dtype=torch.float32, device=q.device)
+    b, m = q.shape[0], q.shape[2]
+    best = torch.zeros(b, keys.shape[1], n_chunk, dtype=torch.float32, device=q.device)
     for lo in range(0, m, _QUERY_ROWS):
         hi = min(m, lo + _QUERY_ROWS)
-        rows = hi - lo
-        qg = q[:, :, lo:hi].reshape(b, hkv, g * rows, d)
-        q_pos = ctx.query_positions[:, lo:hi]
-        allowed = visible(q_pos[:, None, None, :, None], positions[:, :, None, None, :], ctx.spec.window)
-        allowed = allowed.expand(b, hkv, g, rows, positions.shape[-1]).reshape(b, hkv, g * rows, -1)
-        probs = attention_probs(qg, keys, allowed, ctx.spec, ctx.spec.grouped_sinks(hkv, rows, q.device))
+        probs = _row_probs(q, lo, hi, keys, positions, ctx)
         best = torch.maximum(best, probs[..., protected:protected + n_chunk].nan_to_num(0.0).amax(2))
     return best
 
