@@ -18,12 +18,8 @@ import torch
 
 from kvcomp import validation
 from kvcomp.compressor import Capabilities
-from kvcomp.ops import AttentionSpec, attention_probs, visible
+from kvcomp.ops import AttentionSpec, attention_probs, rows_per_chunk, visible
 from kvcomp.selection import TokenSelection, TokenStore, recent_mask
-
-_PREFILL_CHUNK = 256  # queries per chunk at most
-_CHUNK_ELEMENTS = 1 << 22  # and at most this many probabilities per chunk (16 MiB in float32), so that the
-# scoring's transients stay below what the layer's own K/V costs (the prefill peak stays under no compression's)
 
 
 def accumulated_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, q_real: torch.Tensor,
@@ -41,7 +37,7 @@ def accumulated_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
     g = hq // hkv
     q_real = q_real.float()
     total = torch.zeros(b, hkv, length, dtype=torch.float32, device=q.device)
-    chunk = max(1, min(_PREFILL_CHUNK, _CHUNK_ELEMENTS // max(1, b * hq * length)))
+    chunk = rows_per_chunk(b * hq, length)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
         m = stop - start

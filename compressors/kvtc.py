@@ -178,7 +178,8 @@ class KVTC(Compressor):
     def prefill(self, layer, q, k, v, ctx):
         store = compact(TokenStore(k, v, ctx.positions.to(torch.int32)))
         s = min(self.n_sink, store.positions.shape[-1])
-        sinks = TokenStore(store.keys[:, :, :s], store.values[:, :, :s], store.positions[:, :, :s])
+        # A copy: a slice would keep the whole prompt's K/V alive under four tokens.
+        sinks = TokenStore(*(t[:, :, :s].clone() for t in (store.keys, store.values, store.positions)))
         rest = TokenStore(store.keys[:, :, s:], store.values[:, :, s:], store.positions[:, :, s:])
         b, h = k.shape[:2]
         state = KVTCState(layer, sinks, [[[] for _ in range(h)] for _ in range(b)],

@@ -32,12 +32,10 @@ import torch
 from kvcomp import validation
 from kvcomp.allocation import adaptive_keep
 from kvcomp.compressor import Capabilities, CompressorError
-from kvcomp.ops import attention_probs, visible
+from kvcomp.ops import attention_probs, rows_per_chunk, visible
 from kvcomp.ragged import RaggedStore
 from kvcomp.replay import replay
 from kvcomp.selection import TokenSelection, compact, select_top, store_from_block
-
-_QUERY_ROWS = 256  # repetition queries scored at a time (bounds the [G * rows, keys] probabilities)
 
 
 @dataclass
@@ -178,33 +176,37 @@ def attend_and_score(q, ctx, context, block, protected: int, start: int, stop: i
     """The attention output of the repetition queries ``q`` ``[B, H_q, m, D]`` over the prefilled ``context`` and
     the repetition ``block`` (each ``(keys, values, positions)``), and the chunk's reconstruction scores
     ``[B, H_kv, stop - start]`` from the same probabilities: renormalised over the protected prefix, the chunk
-    and the repetition (and the sink), as :func:`reconstruction_scores` computes them directly."""
+    and the repetition (and the sink), as :func:`reconstruction_scores` computes them directly. The context's
+    K/V are read in place (never concatenated with the block's: that copy would be a layer's K/V on top of
+    the full prompt KV this pass already holds)."""
     (ck, cv, cpos), (bk, bv, bpos) = context, block
-    keys, values = torch.cat([ck, bk], dim=2), torch.cat([cv, bv], dim=2)
     positions = torch.cat([cpos.to(bpos.dtype), bpos], dim=2)
     b, hq, m, d = q.shape
-    hkv, n_ctx = keys.shape[1], ck.shape[2]
+    hkv, n_ctx = ck.shape[1], ck.shape[2]
     g = hq // hkv
     out = torch.empty_like(q)
     best = torch.zeros(b, hkv, stop - start, dtype=torch.float32, device=q.device)
-    for lo in range(0, m, _QUERY_ROWS):
-        hi = min(m, lo + _QUERY_ROWS)
+    step = rows_per_chunk(b * hq, positions.shape[-1])
+    for lo in range(0, m, step):
+        hi = min(m, lo + step)
         rows = hi - lo
-        probs = _row_probs(q, lo, hi, keys, positions, ctx)
-        out[:, :, lo:hi] = torch.matmul(probs.to(values.dtype), values).view(b, hkv, g, rows, d).reshape(b, hq, rows, d)
+        probs = _row_probs(q, lo, hi, (ck, bk), positions, ctx)
+        mixed = torch.matmul(probs[..., :n_ctx].to(cv.dtype), cv) + torch.matmul(probs[..., n_ctx:].to(bv.dtype), bv)
+        out[:, :, lo:hi] = mixed.view(b, hkv, g, rows, d).reshape(b, hq, rows, d)
         chunk = probs[..., start:stop]
         total = probs[..., :protected].sum(-1) + chunk.sum(-1) + probs[..., n_ctx:].sum(-1)
         if ctx.spec.sinks is not None:
             total = total + (1.0 - probs.sum(-1)).clamp_min(0.0)  # the sink's share stays in the denominator
-        best = torch.maximum(best, (chunk / total.clamp_min(1e-30).unsqueeze(-1)).amax(2))
+        best = torch.maximum(best, chunk.div_(total.clamp_min(1e-30).unsqueeze(-1)).amax(2))
     return out, best
 
 
 def _row_probs(q, lo: int, hi: int, keys, positions, ctx) -> torch.Tensor:
-    """Attention probabilities ``[B, H_kv, G * (hi - lo), L]`` of the queries ``lo:hi`` of ``q`` over ``keys``,
-    grouped per KV head, with the layer's visibility, soft-cap and sinks."""
+    """Attention probabilities ``[B, H_kv, G * (hi - lo), L]`` of the queries ``lo:hi`` of ``q`` over ``keys``
+    (a tensor or a tuple of key blocks, as :func:`kvcomp.ops.attention_probs` takes them), grouped per KV
+    head, with the layer's visibility, soft-cap and sinks."""
     b, hq, _, d = q.shape
-    hkv = keys.shape[1]
+    hkv = positions.shape[1]
     g, rows = hq // hkv, hi - lo
     qg = q[:, :, lo:hi].reshape(b, hkv, g * rows, d)
     q_pos = ctx.query_positions[:, lo:hi]
@@ -219,8 +221,9 @@ def reconstruction_scores(q, keys, positions, ctx, protected: int, n_chunk: int)
     with the layer's own visibility, soft-cap and sinks, maximised over the query group and the queries."""
     b, m = q.shape[0], q.shape[2]
     best = torch.zeros(b, keys.shape[1], n_chunk, dtype=torch.float32, device=q.device)
-    for lo in range(0, m, _QUERY_ROWS):
-        hi = min(m, lo + _QUERY_ROWS)
+    step = rows_per_chunk(b * q.shape[1], keys.shape[2])
+    for lo in range(0, m, step):
+        hi = min(m, lo + step)
         probs = _row_probs(q, lo, hi, keys, positions, ctx)
         best = torch.maximum(best, probs[..., protected:protected + n_chunk].nan_to_num(0.0).amax(2))
     return best

@@ -25,6 +25,14 @@ import torch.nn.functional as F
 SENTINEL = 2**30
 
 _QUERY_CHUNK = 1024  # queries per block when a mask must be materialized (bounds prefill memory)
+PROBS_PER_CHUNK = 1 << 22  # probabilities a scoring pass holds at once (16 MiB in float32): below what a
+# layer's own K/V costs at long prompts, so scoring never lifts the prefill's peak above no compression's
+
+
+def rows_per_chunk(batch_heads: int, length: int, most: int = 256) -> int:
+    """Query rows to score at a time: at most ``most``, and few enough that their float32 probabilities over
+    ``length`` keys, for ``batch_heads`` (batch x query heads), stay within :data:`PROBS_PER_CHUNK`."""
+    return max(1, min(most, PROBS_PER_CHUNK // max(1, batch_heads * length)))
 
 
 @dataclass(frozen=True)
@@ -94,9 +102,14 @@ def softmax(logits: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Te
 def attention_probs(qg: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, spec: AttentionSpec,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """float32 probabilities ``[B, H_kv, R, L]`` of grouped queries ``qg`` ``[B, H_kv, R, D]`` over keys ``k``
-    ``[B, H_kv, L, D]``: scale, soft-cap, mask by ``allowed`` (broadcast to ``[B, H_kv, R, L]``), softmax with
-    the layer's sinks (``sinks``: :meth:`AttentionSpec.grouped_sinks` for these rows)."""
-    logits = softcap(torch.matmul(qg, k.transpose(-1, -2)).float() * spec.scaling, spec.softcap)
+    ``[B, H_kv, L, D]`` (or a tuple of key blocks, read as their concatenation without copying the keys):
+    scale, soft-cap, mask by ``allowed`` (broadcast to ``[B, H_kv, R, L]``), softmax with the layer's sinks
+    (``sinks``: :meth:`AttentionSpec.grouped_sinks` for these rows)."""
+    if isinstance(k, tuple):
+        logits = torch.cat([torch.matmul(qg, part.transpose(-1, -2)) for part in k], dim=-1)
+    else:
+        logits = torch.matmul(qg, k.transpose(-1, -2))
+    logits = softcap(logits.float() * spec.scaling, spec.softcap)
     return softmax(logits.masked_fill(~allowed, float("-inf")), sinks)
 
 

@@ -76,11 +76,17 @@ def replay(cache, blocks: list[torch.Tensor], observer: Observer) -> None:
         mine.seen_total, mine.seen, mine.next_position = theirs.seen_total, theirs.seen.clone(), theirs.next_position.clone()
         mine.state = (keys, values, positions)
     start = cache.layers[0].next_position.view(1, 1)
-    for ids in blocks:
-        positions = start + torch.arange(ids.shape[1], device=ids.device).view(1, -1)
-        model(input_ids=ids.to(model.device), position_ids=positions.to(model.device), cache=shadow, use_cache=True,
-              logits_to_keep=1)
-        for layer in shadow.layers:  # the next block continues from the prefill again
-            layer.seen_total = cache.layers[layer.layer_idx].seen_total
-    reader.observer = None
+    try:
+        for ids in blocks:
+            positions = start + torch.arange(ids.shape[1], device=ids.device).view(1, -1)
+            model(input_ids=ids.to(model.device), position_ids=positions.to(model.device), cache=shadow,
+                  use_cache=True, logits_to_keep=1)
+            for layer in shadow.layers:  # the next block continues from the prefill again
+                layer.seen_total = cache.layers[layer.layer_idx].seen_total
+    finally:
+        # The shadow cache and its layers reference each other, so the collector, not this return, would free
+        # them; until then they would keep the prefill's K/V of every layer alive beside what the caller keeps.
+        for layer in shadow.layers:
+            layer.state = None
+        reader.observer = None
 

@@ -45,21 +45,33 @@ def batchable(name) -> bool:
     return kvcomp.available()[name].capabilities.supports_batch
 
 
-def state_bytes(obj) -> int:
-    """Bytes of every tensor, array and bytes object reachable from a state (dataclasses, lists, dicts)."""
+def state_bytes(obj, seen: dict | None = None) -> int:
+    """Bytes of memory a state keeps alive: the whole storage under every tensor and array reachable from it
+    (dataclasses, lists, dicts), each storage once, and every bytes object. A 4-token slice of a prompt's K/V
+    keeps the prompt's K/V alive and counts as all of it: a state that reports the slice's bytes and holds the
+    prompt is the "mask over a full cache" this contract exists to catch."""
+    top = seen is None
+    seen = {} if top else seen
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, np.ndarray):
-        return obj.nbytes
-    if isinstance(obj, (bytes, bytearray)):
-        return len(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return sum(state_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    if isinstance(obj, (list, tuple)):
-        return sum(state_bytes(x) for x in obj)
-    if isinstance(obj, dict):
-        return sum(state_bytes(x) for x in obj.values())
-    return 0
+        storage = obj.untyped_storage()
+        seen[("torch", storage.data_ptr())] = storage.nbytes()
+    elif isinstance(obj, np.ndarray):
+        base = obj
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        seen[("numpy", base.__array_interface__["data"][0])] = base.nbytes
+    elif isinstance(obj, (bytes, bytearray)):
+        seen[("bytes", id(obj))] = len(obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            state_bytes(getattr(obj, f.name), seen)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            state_bytes(x, seen)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            state_bytes(x, seen)
+    return sum(seen.values()) if top else 0
 
 
 def outside_state_bytes(state) -> int:
