@@ -54,6 +54,7 @@ from tqdm.auto import tqdm
 
 from eval.runner import describe_compressor
 from kvcomp.generation import PromptParts, cache_stats, generate_ids, stop_token_ids
+from kvcomp.metrics import fast_tier_factor
 from kvcomp.models import load_model
 from kvcomp.registry import create, get
 
@@ -243,7 +244,7 @@ class KVCompLM(HFLM):
                 "generated_tokens": [len(r) for r in rows],
                 "resident_bytes": resident,
                 "full_bytes": full,
-                "memory_factor": full / resident["device"] if resident.get("device") else float("inf"),
+                "memory_factor": fast_tier_factor(full, resident),
                 "kept_tokens": sum(kept) / len(kept) if kept else 0.0,
                 "prefill_seconds": stats["prefill_seconds"],
                 "decode_seconds": stats["decode_seconds"],

@@ -1,8 +1,7 @@
 """Speed and memory of each compressor against no compression, and against the memory roofline.
 
-For every context length and compressor (``none`` is a plain transformers ``DynamicCache`` on sdpa
-attention): prefill a synthetic prompt once, then decode ``decode_steps`` tokens greedily (the compressors'
-steps interleaved, so load changes on a shared machine hit all alike), and record
+For every context length and compressor: prefill a synthetic prompt once, then decode ``decode_steps`` tokens
+greedily (the compressors' steps interleaved, so load changes on a shared machine hit all alike), and record
 
 * prefill tokens/s, decode tokens/s and the median ms per decoded token;
 * the rise of the process's resident memory during the prefill (sampled: the cache plus prefill transients)
@@ -14,8 +13,14 @@ steps interleaved, so load changes on a shared machine hit all alike), and recor
   same device (bytes copied per second: each byte read once and written once). ``roofline_fraction`` is
   that bound divided by the measured step time (1.0 = at the memory limit).
 
-Ratios (``decode_speedup``, ``prefill_slowdown``, ``memory_factor``) are against ``none`` at the same
-context in the same process, because timings on a shared machine drift between runs.
+Two uncompressed baselines, so that a speed-up is never just a faster uncompressed path: ``none`` is
+transformers' own cache (``DynamicCache(config=model.config)``) on sdpa attention, and ``none-kvcomp`` is the
+uncompressed cache through kvcomp's own path (a ``CompressedCache`` whose layers keep every token,
+:class:`kvcomp.selection.WindowStore`: grouped-query attention without repeated K/V, growable stores, the decode
+step compressors run). Ratios are against both at the same context in the same process, because timings on a
+shared machine drift between runs: ``decode_speedup`` / ``prefill_slowdown`` against ``none``,
+``decode_speedup_kvcomp`` / ``prefill_slowdown_kvcomp`` against ``none-kvcomp``; ``memory_factor`` against
+``none``'s bytes. Every model call goes through :mod:`kvcomp.steps` (``prefill``, ``decode_one``).
 
 ``kvcomp bench --contexts 1024 2048 4096 8192 --out runs/bench`` writes bench.csv, bench.json (settings,
 machine, bandwidth) and bench.png there and prints the table.
@@ -36,15 +41,17 @@ from typing import Any
 
 import torch
 
-from kvcomp import files
+from kvcomp import files, metrics, steps
 
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192)
+KVCOMP_BASELINE = "none-kvcomp"  # the uncompressed cache through kvcomp's own path
 
 
 @dataclass
 class BenchConfig:
     contexts: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXTS))
-    # "none", registered names, or "name:key=value,key=value"; empty = none + every registered compressor.
+    # "none", "none-kvcomp", registered names, or "name:key=value,key=value"; empty = both baselines + every
+    # registered compressor.
     compressors: list[str] = field(default_factory=list)
     compression_ratio: float = 0.75  # for compressors with a compression_ratio field, unless given
     quant_bits: int = 4
@@ -75,10 +82,13 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, params
 
 
+BASELINES = ("none", KVCOMP_BASELINE)
+
+
 def default_specs() -> list[str]:
     from kvcomp import available
 
-    return ["none", *available()]
+    return [*BASELINES, *available()]
 
 
 def build_compressor(spec: str, config: BenchConfig):
@@ -88,6 +98,10 @@ def build_compressor(spec: str, config: BenchConfig):
     name, params = parse_spec(spec)
     if name == "none":
         return "none", None
+    if name == KVCOMP_BASELINE:
+        from kvcomp.selection import WindowStore
+
+        return KVCOMP_BASELINE, WindowStore()
     cls = available().get(name)
     fields = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
     if "compression_ratio" in fields and "compression_ratio" not in params and "budget" not in params:
@@ -216,14 +230,14 @@ def prefill(model, ids: torch.Tensor, compressor, device: str) -> dict[str, Any]
 
     cache = DynamicCache(config=model.config) if compressor is None else CompressedCache(model, compressor)
     _use_attention(model, compressor)
-    ids = ids.to(device)
+    rows = steps.Rows(ids.shape[0], device)
     with PeakMemory(device) as memory:
         _sync(device)
         t0 = time.perf_counter()
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        logits = steps.prefill(model, cache, ids, rows)
         _sync(device)
         seconds = time.perf_counter() - t0
-    return {"cache": cache, "next_ids": out.logits[:, -1:].argmax(-1), "prefill_s": seconds,
+    return {"cache": cache, "rows": rows, "next_ids": logits.argmax(-1), "prefill_s": seconds,
             "prefill_tok_s": ids.shape[1] / seconds, "peak_rss_mb": memory.peak / 2**20,
             "peak_rise_mb": (memory.peak - memory.start) / 2**20, "step_s": []}
 
@@ -234,8 +248,7 @@ def decode_step(model, run: dict[str, Any], compressor, device: str) -> None:
     _use_attention(model, compressor)
     with PeakMemory(device, collect=False) as memory:
         t0 = time.perf_counter()
-        out = model(input_ids=run["next_ids"], cache=run["cache"], use_cache=True, logits_to_keep=1)
-        run["next_ids"] = out.logits[:, -1:].argmax(-1)
+        run["next_ids"] = steps.decode_one(model, run["cache"], run["next_ids"], run["rows"]).argmax(-1)
         _sync(device)
         run["step_s"].append(time.perf_counter() - t0)
     run["decode_rise"] = max(run.get("decode_rise", 0), memory.peak - memory.start)
@@ -276,8 +289,8 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     if config.threads:
         torch.set_num_threads(config.threads)
     specs = list(config.compressors) or default_specs()
-    if "none" not in [parse_spec(s)[0] for s in specs]:
-        specs = ["none", *specs]  # ratios need the baseline
+    names = [parse_spec(s)[0] for s in specs]
+    specs = [b for b in BASELINES if b not in names] + specs  # ratios need both baselines
     built = [build_compressor(s, config) for s in specs]  # bad names fail before the model loads
     if model is None:
         model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
@@ -300,23 +313,25 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
         for _ in range(config.decode_steps):
             for (_, compressor), run in zip(built, runs):
                 decode_step(model, run, compressor, config.device)
-        baseline = None
+        at_context = []
         for (label, _), run in zip(built, runs):
             row = {"context": context, "compressor": label, **summarize(run)}
             step_bytes = weights + row["kv_bytes"]
             row["step_bytes"] = step_bytes
             row["roofline_ms"] = 1000 * step_bytes / bandwidth
             row["roofline_fraction"] = row["roofline_ms"] / row["decode_ms_per_token"]
-            if label == "none":
-                baseline = row
-            if baseline is not None:
-                row["decode_speedup"] = baseline["decode_ms_per_token"] / row["decode_ms_per_token"]
-                row["prefill_slowdown"] = row["prefill_s"] / baseline["prefill_s"]
-                row["memory_factor"] = baseline["kv_bytes"] / row["kv_bytes"] if row["kv_bytes"] else float("inf")
+            at_context.append(row)
+        base = {r["compressor"]: r for r in at_context if r["compressor"] in BASELINES}
+        for row in at_context:
+            for suffix, name in (("", "none"), ("_kvcomp", KVCOMP_BASELINE)):
+                ref = base[name]
+                row[f"decode_speedup{suffix}"] = ref["decode_ms_per_token"] / row["decode_ms_per_token"]
+                row[f"prefill_slowdown{suffix}"] = row["prefill_s"] / ref["prefill_s"]
+            row["memory_factor"] = metrics.fast_tier_factor(base["none"]["kv_bytes"], row["kv_bytes"])
             rows.append(row)
-            log(f"{context:>6} {label:32s} decode {row['decode_ms_per_token']:7.1f} ms/token "
-                f"(x{row.get('decode_speedup', float('nan')):.2f})  KV {row['kv_bytes'] / 2**20:7.1f} MiB  "
-                f"roofline {row['roofline_fraction']:.2f}")
+            log(f"{context:>6} {row['compressor']:32s} decode {row['decode_ms_per_token']:7.1f} ms/token "
+                f"(x{row['decode_speedup']:.2f} none, x{row['decode_speedup_kvcomp']:.2f} none-kvcomp)  "
+                f"KV {row['kv_bytes'] / 2**20:7.1f} MiB  roofline {row['roofline_fraction']:.2f}")
         del runs
         gc.collect()
     meta = {
@@ -346,10 +361,11 @@ COLUMNS = [
     ("context", "context", "{:d}"),
     ("compressor", "compressor", "{}"),
     ("prefill_tok_s", "prefill tok/s", "{:.0f}"),
-    ("prefill_slowdown", "prefill x none", "{:.2f}"),
+    ("prefill_slowdown", "prefill time x none", "{:.2f}"),
     ("decode_tok_s", "decode tok/s", "{:.2f}"),
     ("decode_ms_per_token", "ms/token", "{:.1f}"),
-    ("decode_speedup", "decode speedup", "{:.2f}"),
+    ("decode_speedup", "decode x none", "{:.2f}"),
+    ("decode_speedup_kvcomp", "decode x none-kvcomp", "{:.2f}"),
     ("kv_bytes", "KV MiB", None),
     ("memory_factor", "memory factor", "{:.2f}"),
     ("peak_rise_mb", "prefill RSS rise MiB", "{:.0f}"),

@@ -468,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--compressors", nargs="+", default=[],
-                   help="none, registered names or name:key=value,...; default: none and every registered one")
+                   help="none, none-kvcomp, registered names or name:key=value,...; default: both uncompressed "
+                        "baselines and every registered one")
     p.add_argument("--ratio", type=float, default=0.75, help="compression_ratio where a compressor has one")
     p.add_argument("--bits", type=int, default=4, help="bits for quant unless given as quant:bits=N")
     p.add_argument("--decode-steps", type=int, default=32)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvcomp import metrics
 from kvcomp.attention import install, layer_specs, set_active, take_input_ids
 from kvcomp.compressor import SENTINEL, Compressor, CompressorError, LayerContext
 from kvcomp.ops import AttentionSpec, dense_attention
@@ -300,8 +301,7 @@ class CompressedCache(Cache):
         return sum(layer.full_bytes() for layer in self.layers)
 
     def memory_factor(self) -> float:
-        resident = self.resident_bytes()["device"]
-        return self.full_bytes() / resident if resident else float("inf")
+        return metrics.fast_tier_factor(self.full_bytes(), self.resident_bytes())
 
     def kept_tokens(self) -> list[torch.Tensor]:
         """Per layer, ``[B, H_kv]`` tokens stored."""

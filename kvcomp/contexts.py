@@ -536,27 +536,24 @@ class LoadedContext:
                      stop_ids: set[int] | None = None) -> tuple[list[list[int]], dict[str, Any]]:
         """Feed ``rows`` (the question's ids per row; None or empty: none) and decode greedily: the statistics of
         :func:`kvcomp.generation.generate_ids` (``prefill_seconds`` = the question block)."""
+        from kvcomp import steps
         from kvcomp.cache import CompressedCache
-        from kvcomp.generation import _left_pad, _positions, decode_greedy
+        from kvcomp.generation import _left_pad
 
         t0 = time.perf_counter()
         cache = self.new_cache(model)
         build_seconds = time.perf_counter() - t0
-        logits, mask = self.logits, self.mask
+        logits, positions = self.logits, steps.Rows.from_mask(self.mask)
         with torch.inference_mode():
             if rows is not None and any(rows):
                 ids, block_mask = _left_pad(rows, pad_id)
-                mask = torch.cat([mask, block_mask.to(mask.device)], dim=1)
-                out = model(input_ids=ids.to(mask.device), attention_mask=mask,
-                            position_ids=_positions(mask)[:, -ids.shape[1]:], cache=cache, use_cache=True,
-                            logits_to_keep=1)
-                logits = out.logits[:, -1]
+                logits = steps.prefill(model, cache, ids, positions, block_mask)
             prefill_seconds = time.perf_counter() - t0
             prefill_kept = cache.kept_tokens() if isinstance(cache, CompressedCache) else None
-            out_rows, decode_seconds, steps = decode_greedy(model, cache, logits, mask, max_new_tokens,
-                                                            stop_ids or set())
+            out_rows, decode_seconds, n_steps = steps.greedy_decode(model, cache, logits, positions, max_new_tokens,
+                                                                    stop_ids or set())
         return out_rows, dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=cache,
-                              prefill_kept=prefill_kept, generated_steps=steps, build_seconds=build_seconds,
+                              prefill_kept=prefill_kept, generated_steps=n_steps, build_seconds=build_seconds,
                               load_seconds=self.load_seconds, from_store=True)
 
 

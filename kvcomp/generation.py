@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvcomp import validation
+from kvcomp import metrics, steps, validation
 from kvcomp.attention import check_supported, install
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Compressor
@@ -57,8 +57,7 @@ class GenerationResult:
 
     @property
     def memory_factor(self) -> float:
-        resident = self.resident_bytes.get("device", 0)
-        return self.full_bytes / resident if resident else float("inf")
+        return metrics.fast_tier_factor(self.full_bytes, self.resident_bytes)
 
 
 @dataclass
@@ -142,7 +141,8 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
-    # Same convention as transformers' generate: real tokens numbered 0.. per row, padding given 1.
+    # Same convention as transformers' generate (and kvcomp.steps.Rows): real tokens numbered 0.. per row,
+    # padding given 1.
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
@@ -176,51 +176,27 @@ def generate_ids(model, parts: list[PromptParts], compressor: Compressor | None,
     else:
         cache = CompressedCache(model, compressor, question_length=question_length)
 
-    batch = len(parts)
-    mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
+    rows = steps.Rows(len(parts), device, capacity=sum(max(len(r) for r in b) for b in blocks) + max_new_tokens)
     t0 = time.perf_counter()
-    for rows in blocks:
-        ids, block_mask = _left_pad(rows, pad_id)
-        mask = torch.cat([mask, block_mask.to(device)], dim=1)
-        out = model(input_ids=ids.to(device), attention_mask=mask, position_ids=_positions(mask)[:, -ids.shape[1]:],
-                    cache=cache, use_cache=True, logits_to_keep=1)
+    for block in blocks:
+        ids, block_mask = _left_pad(block, pad_id)
+        logits = steps.prefill(model, cache, ids, rows, block_mask)
     prefill_seconds = time.perf_counter() - t0
     prefill_kept = cache.kept_tokens() if isinstance(cache, CompressedCache) else None
-    rows, decode_seconds, steps = decode_greedy(model, cache, out.logits[:, -1], mask, max_new_tokens, stop_ids)
+    out, decode_seconds, n_steps = steps.greedy_decode(model, cache, logits, rows, max_new_tokens, stop_ids)
     stats = dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=cache,
-                 prefill_kept=prefill_kept, generated_steps=steps)
-    return rows, stats
+                 prefill_kept=prefill_kept, generated_steps=n_steps)
+    return out, stats
 
 
 def decode_greedy(model, cache, logits: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
                   stop_ids: set[int]) -> tuple[list[list[int]], float, int]:
-    """Greedy decoding from the prompt's last logits ``[B, V]`` and attention mask ``[B, T]`` over ``cache``.
+    """Greedy decoding from the prompt's last logits ``[B, V]`` and attention mask ``[B, T]`` over ``cache``
+    (:func:`kvcomp.steps.greedy_decode` with the rows rebuilt from the mask).
 
     Returns the generated ids per row cut before the first stop token, the seconds spent and the steps run.
     """
-    device = logits.device
-    batch = logits.shape[0]
-    generated = torch.zeros(batch, 0, dtype=torch.long, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-    t0 = time.perf_counter()
-    for step in range(max_new_tokens):
-        next_ids = logits.argmax(-1)
-        generated = torch.cat([generated, next_ids[:, None]], dim=1)
-        done |= torch.isin(next_ids, stop)
-        if bool(done.all()) or step == max_new_tokens - 1:
-            break
-        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
-        out = model(input_ids=next_ids[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
-                    cache=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]
-    decode_seconds = time.perf_counter() - t0
-
-    rows = []
-    for row in generated.tolist():
-        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
-        rows.append(row[:cut])
-    return rows, decode_seconds, generated.shape[1]
+    return steps.greedy_decode(model, cache, logits, steps.Rows.from_mask(mask), max_new_tokens, stop_ids)
 
 
 def cache_stats(cache) -> tuple[dict[str, int], int, list[float]]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kvcomp import steps
 from kvcomp.compressor import CompressorError
 from kvcomp.kvtc_calibration import model_identity, tensors_digest, weight_probe
 
@@ -69,7 +70,7 @@ def head_scores(model, samples, n_sink: int, recent: int) -> torch.Tensor:
     for ids, n_answer in samples:
         recorder = _Recorder()
         cache = CompressedCache(model, recorder)
-        model(input_ids=torch.tensor([ids], device=model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        steps.forward(model, cache, torch.tensor([ids], device=model.device))
         rows = []
         for layer in sorted(recorder.records):
             q, k, v, ctx = recorder.records[layer]

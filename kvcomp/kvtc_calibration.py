@@ -43,6 +43,7 @@ import torch
 
 from kvcomp.attention import check_rope, rotary_embedding
 from kvcomp.compressor import CompressorError
+from kvcomp.steps import forward
 from kvcomp.transform_coding import (
     BITS,
     OPTION_BITS,
@@ -152,7 +153,7 @@ def collect(model, tokenizer, text: str, tokens: int, seq_len: int, n_sink: int)
         if chunk.numel() <= n_sink or taken >= tokens:
             break
         cache = DynamicCache()
-        model(input_ids=chunk.view(1, -1).to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        forward(model, cache, chunk.view(1, -1).to(model.device))
         pos = torch.arange(chunk.numel())[n_sink:]
         k = torch.stack([layer.keys[0, :, n_sink:].float().cpu() for layer in cache.layers])  # [L, H, n, D]
         v = torch.stack([layer.values[0, :, n_sink:].float().cpu() for layer in cache.layers])

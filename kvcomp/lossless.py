@@ -51,7 +51,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvcomp import validation
+from kvcomp import steps, validation
 from kvcomp.attention import install
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Compressor, CompressorError
@@ -442,16 +442,15 @@ def _choose(
 def _feed_full(model, full, ids, block_mask, mask, next_pos, keep_new: bool = False):
     """Run a left-padded prompt block ``ids`` ``[B, n]`` over the full KV and commit it there.
 
-    Returns the model output, the extended attention mask, the block's positions (each row continues at its
+    Returns the logits after the block ``[B, 1, V]``, the extended attention mask, the block's positions (each row continues at its
     own ``next_pos``) and, when ``keep_new``, the block's K/V per layer (else None)."""
     n = ids.shape[1]
     mask = torch.cat([mask, block_mask], dim=1)
     pos = next_pos.view(-1, 1) + (block_mask.cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=full.cache, use_cache=True,
-                logits_to_keep=1)
+    logits = steps.forward(model, full.cache, ids, pos, mask)
     new_kv = full.new_kv(n) if keep_new else None
     full.commit(n, n)
-    return out, mask, pos, new_kv
+    return logits, mask, pos, new_kv
 
 
 @torch.inference_mode()
@@ -512,24 +511,16 @@ def lossless_decode(
         full = make_full_kv(model, config)
         ids, mask = (t.to(device) for t in blocks[0])
         draft.tee = full.tee
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=_positions(mask),
-            cache=draft,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        logits = steps.forward(model, draft, ids, _positions(mask), mask)[:, -1]
         draft.tee = None
-        logits = out.logits[:, -1]
         draft_mask = mask.clone()
         full_mask = mask.clone()
         next_pos = mask.sum(1)  # [B] position of the next real token of each row
         for ids, mask in blocks[1:]:
             ids, mask = ids.to(device), mask.to(device)
-            out, full_mask, pos, (k_new, v_new) = _feed_full(model, full, ids, mask, full_mask, next_pos,
-                                                             keep_new=True)
-            logits = out.logits[:, -1]
+            block_logits, full_mask, pos, (k_new, v_new) = _feed_full(model, full, ids, mask, full_mask, next_pos,
+                                                                      keep_new=True)
+            logits = block_logits[:, -1]
             pend_k = k_new if pend_k is None else [torch.cat(p, dim=2) for p in zip(pend_k, k_new)]
             pend_v = v_new if pend_v is None else [torch.cat(p, dim=2) for p in zip(pend_v, v_new)]
             pend_ids = torch.cat([pend_ids, ids], dim=1)
@@ -585,18 +576,11 @@ def lossless_decode(
             width_at_snapshot += pend_ids.shape[1]
             for i in range(gamma):
                 draft_mask = torch.cat([draft_mask, step_valid.long()], dim=1)
-                out = model(
-                    input_ids=step_ids,
-                    attention_mask=draft_mask,
-                    position_ids=step_pos,
-                    cache=draft,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
+                logits = steps.forward(model, draft, step_ids, step_pos, draft_mask)
                 stats.draft_forwards += 1
                 if snapshots is None:
                     snapshots = draft.take_snapshots()
-                token, q = _choose(out.logits[:, -1], sampling, gen)
+                token, q = _choose(logits[:, -1], sampling, gen)
                 drafts = torch.cat([drafts, token.view(-1, 1)], dim=1)
                 if q is not None:
                     q_probs.append(q)
@@ -614,15 +598,8 @@ def lossless_decode(
         v_valid = torch.cat([head_valid, torch.ones(batch, gamma, dtype=torch.bool, device=device)], dim=1)
         verify_mask = torch.cat([full_mask, v_valid.to(full_mask.dtype)], dim=1)
         v_pos = torch.cat([head_pos, after_head.view(-1, 1) + torch.arange(gamma, device=device)], dim=1)
-        out = model(
-            input_ids=v_ids,
-            attention_mask=verify_mask,
-            position_ids=v_pos,
-            cache=full.cache,
-            use_cache=True,
-            logits_to_keep=gamma + 1,
-        )
-        logits = out.logits  # [B, gamma + 1, V]: after the head's last token, then after each draft
+        # [B, gamma + 1, V]: after the head's last token, then after each draft
+        logits = steps.forward(model, full.cache, v_ids, v_pos, verify_mask, logits_to_keep=gamma + 1)
         if sampling is None:
             target = logits.argmax(-1)  # [B, gamma + 1]
             match = (drafts == target[:, :gamma]).long().cumprod(dim=1)
@@ -687,10 +664,7 @@ def lossless_decode(
     stats.read_seconds = full.read_seconds
     stats.full_kv_bytes = full.nbytes()
     full.close()
-    rows = []
-    for row in generated:
-        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
-        rows.append(row[:cut][:max_new_tokens])
+    rows = [steps.cut_at_stop(row, stop_ids, limit=max_new_tokens) for row in generated]
     return rows, dict(
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
@@ -728,8 +702,8 @@ def full_kv_decode(
         next_pos = mask.sum(1)
     for ids, block_mask in blocks:
         ids, block_mask = ids.to(device), block_mask.to(device)
-        out, mask, _, _ = _feed_full(model, full, ids, block_mask, mask, next_pos)
-        logits = out.logits[:, -1]
+        block_logits, mask, _, _ = _feed_full(model, full, ids, block_mask, mask, next_pos)
+        logits = block_logits[:, -1]
         next_pos = next_pos + block_mask.sum(1)
     prefill_seconds = time.perf_counter() - t0
     batch = mask.shape[0]
@@ -747,16 +721,8 @@ def full_kv_decode(
         full.prefetch()
         t0 = time.perf_counter()
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
-        out = model(
-            input_ids=token.view(-1, 1),
-            attention_mask=mask,
-            position_ids=next_pos.view(-1, 1),
-            cache=full.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        logits = steps.forward(model, full.cache, token.view(-1, 1), next_pos.view(-1, 1), mask)[:, -1]
         full.commit(1, 1)
-        logits = out.logits[:, -1]
         next_pos = next_pos + 1
         stats.verify_passes += 1
         _sync(device)
@@ -769,7 +735,7 @@ def full_kv_decode(
     )
     stats.full_kv_bytes = full.nbytes()
     full.close()
-    rows = [row[: next((i for i, t in enumerate(row) if t in stop_ids), len(row))] for row in generated]
+    rows = [steps.cut_at_stop(row, stop_ids) for row in generated]
     return rows, dict(
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
@@ -895,11 +861,7 @@ def custom_generate(
         model, [(input_ids, mask)], compressor, config, max_new_tokens, stop_ids, sampling
     )
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (min(stop_ids) if stop_ids else 0)
-    rows = []
-    for row in stats["raw"]:
-        row = row[:max_new_tokens]
-        cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
-        rows.append(row[:cut])
+    rows = [steps.cut_at_stop(row, stop_ids, keep_stop=True, limit=max_new_tokens) for row in stats["raw"]]
     width = max(len(r) for r in rows)
     new = torch.full((len(rows), width), int(pad), dtype=torch.long, device=input_ids.device)
     for i, r in enumerate(rows):

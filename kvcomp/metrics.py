@@ -22,6 +22,14 @@ def memory_factor(full_bytes: int, resident_bytes: int) -> float:
     return full_bytes / resident_bytes
 
 
+def fast_tier_factor(full_bytes: int, resident: dict[str, int] | int) -> float:
+    """The ``memory_factor`` every report uses: uncompressed bytes over the bytes resident on the fast tier
+    (``resident["device"]``, or an int), ``inf`` when nothing is resident. Slower tiers (a retrieval method's
+    offloaded full KV) are reported apart and do not count."""
+    held = resident.get("device", 0) if isinstance(resident, dict) else int(resident)
+    return full_bytes / held if held > 0 else float("inf")
+
+
 @dataclass(frozen=True)
 class Fidelity:
     """How a compressed output compares with the uncompressed one (token ids)."""

@@ -64,6 +64,7 @@ class _Replay(Compressor):
 def replay(cache, blocks: list[torch.Tensor], observer: Observer) -> None:
     """Run ``cache.model`` over each ``[1, m]`` id block after the prefill of ``cache`` (batch 1), calling
     ``observer`` at every layer; ``cache`` is left as it was."""
+    from kvcomp import steps
     from kvcomp.cache import CompressedCache
 
     model = cache.model
@@ -79,8 +80,7 @@ def replay(cache, blocks: list[torch.Tensor], observer: Observer) -> None:
     try:
         for ids in blocks:
             positions = start + torch.arange(ids.shape[1], device=ids.device).view(1, -1)
-            model(input_ids=ids.to(model.device), position_ids=positions.to(model.device), cache=shadow,
-                  use_cache=True, logits_to_keep=1)
+            steps.forward(model, shadow, ids.to(model.device), positions.to(model.device))
             for layer in shadow.layers:  # the next block continues from the prefill again
                 layer.seen_total = cache.layers[layer.layer_idx].seen_total
     finally:

@@ -27,10 +27,11 @@ from typing import Any, ClassVar
 import torch
 from transformers import DynamicCache
 
+from kvcomp import steps
 from kvcomp.attention import install
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Capabilities, Compressor, SharedWork
-from kvcomp.generation import PromptParts, _left_pad, _positions, decode_greedy
+from kvcomp.generation import PromptParts, _left_pad
 
 
 @dataclass
@@ -88,12 +89,11 @@ def prefill(model, parts: list[PromptParts], query_aware: bool = False, pad_id: 
     recorder = _Recorder()
     cache = CompressedCache(model, recorder, question_length=question_length)
     ids, mask = _left_pad(rows, pad_id)
-    mask = mask.to(model.device)
+    positions = steps.Rows(len(rows), model.device)
     t0 = time.perf_counter()
-    out = model(input_ids=ids.to(model.device), attention_mask=mask, position_ids=_positions(mask),
-                cache=cache, use_cache=True, logits_to_keep=1)
+    logits = steps.prefill(model, cache, ids, positions, mask)
     seconds = time.perf_counter() - t0
-    return Prefilled(recorder, cache, out.logits[:, -1], mask, rest, query_aware, seconds,
+    return Prefilled(recorder, cache, logits, positions.mask, rest, query_aware, seconds,
                      [len(p.context_ids) + len(p.question_ids) for p in parts], token_rows=[list(r) for r in rows])
 
 
@@ -133,17 +133,14 @@ def continue_from(model, pre: Prefilled, compressor: Compressor | None, max_new_
     # reused, SharedWork) count at what they cost then.
     reused = sum(w.saved_seconds for w in pre.shared.values()) - saved_before
     compress_seconds = time.perf_counter() - t0 + reused
-    logits, mask = pre.logits, pre.mask
+    logits, positions = pre.logits, steps.Rows.from_mask(pre.mask)
     if pre.rest is not None:
         ids, block_mask = _left_pad(pre.rest, pad_id)
-        mask = torch.cat([mask, block_mask.to(mask.device)], dim=1)
-        out = model(input_ids=ids.to(mask.device), attention_mask=mask,
-                    position_ids=_positions(mask)[:, -ids.shape[1]:], cache=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]
+        logits = steps.prefill(model, cache, ids, positions, block_mask)
     prefill_seconds = pre.seconds + time.perf_counter() - t0 + reused
     prefill_kept = cache.kept_tokens() if isinstance(cache, CompressedCache) else None
-    rows, decode_seconds, steps = decode_greedy(model, cache, logits, mask, max_new_tokens, stop_ids)
+    rows, decode_seconds, n_steps = steps.greedy_decode(model, cache, logits, positions, max_new_tokens, stop_ids)
     stats = dict(prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, cache=cache,
-                 prefill_kept=prefill_kept, generated_steps=steps, compress_seconds=compress_seconds,
+                 prefill_kept=prefill_kept, generated_steps=n_steps, compress_seconds=compress_seconds,
                  shared_prefill_seconds=pre.seconds)
     return rows, stats

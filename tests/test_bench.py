@@ -37,19 +37,25 @@ def test_bench_on_tiny_model_writes_table_csv_and_plot(tiny, tmp_path):
                          decode_steps=3, out=str(tmp_path))
     rows = run_bench(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
     assert [(r["context"], r["compressor"].split("(")[0]) for r in rows] == [
-        (c, name) for c in (48, 96) for name in ("none", "snapkv", "quant")]
+        (c, name) for c in (48, 96) for name in ("none", "none-kvcomp", "snapkv", "quant")]
     for row in rows:
         assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["peak_rss_mb"] > 0
         assert row["peak_rise_mb"] >= 0
         assert row["roofline_ms"] > 0 and row["step_bytes"] > row["kv_bytes"]
-    none, snap, quant = rows[3:]
+    none, kvcomp_none, snap, quant = rows[4:]
     assert none["decode_speedup"] == 1.0 and none["memory_factor"] == 1.0
+    # Both uncompressed baselines are reported, and every row has its ratios against each.
+    assert kvcomp_none["decode_speedup_kvcomp"] == 1.0 and kvcomp_none["prefill_slowdown_kvcomp"] == 1.0
+    assert all(r["decode_speedup_kvcomp"] > 0 and r["prefill_slowdown_kvcomp"] > 0 for r in rows)
+    # kvcomp's uncompressed store: the same K/V plus an int32 position per token and KV head, and the headroom
+    # its growable buffers keep for decode steps.
+    assert 0.8 < kvcomp_none["memory_factor"] <= 1.0
     # layers x (K, V) x KV heads x (prompt + decoded tokens) x D x float32
     assert none["kv_bytes"] == 2 * 2 * 2 * (96 + 3) * 16 * 4
     assert snap["memory_factor"] > 3  # a quarter of the prompt plus the decoded tokens
     assert quant["memory_factor"] > 1.5
     with open(tmp_path / "bench.csv") as f:
-        assert len(list(csv.DictReader(f))) == 6
+        assert len(list(csv.DictReader(f))) == 8
     meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
     assert meta["copy_bandwidth_bytes_s"] > 0 and meta["weight_bytes"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 10_000
@@ -66,7 +72,7 @@ def test_offloaded_full_kv_is_not_counted_as_resident(tiny, tmp_path):
     model, tokenizer = tiny
     config = BenchConfig(contexts=[256], compressors=["freekv:page_size=8,window=8,budget_fraction=0.25"],
                          decode_steps=2, out=str(tmp_path))
-    none, freekv = run_bench(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
+    none, _, freekv = run_bench(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
     assert freekv["kv_slow_tier_bytes"] >= none["kv_bytes"] > 0
     assert freekv["kv_bytes"] < none["kv_bytes"] / 2 and freekv["memory_factor"] > 2
     model.set_attn_implementation("kvcomp")
