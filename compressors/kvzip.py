@@ -37,6 +37,11 @@ from kvcomp.ragged import RaggedStore
 from kvcomp.replay import replay
 from kvcomp.selection import TokenSelection, compact, select_top, store_from_block
 
+# Probabilities the replay holds at once (4 MiB in float32; a scoring pass of its chunk makes about four such
+# transients): it runs while the prompt's full K/V of every layer is held, at no compression's own peak.
+_REPLAY_PROBS = 1 << 20
+_REPLAY_PIECE = 512  # repetition tokens per forward of the replay: its activations are a piece's, not a chunk's
+
 
 @dataclass
 class KVzip(TokenSelection):
@@ -140,13 +145,16 @@ class KVzip(TokenSelection):
             if layer not in scores:
                 return None  # a sliding layer: attended as usual, not scored
             start, stop = current["start"], current["stop"]
-            out, scores[layer][..., start:stop] = attend_and_score(q, ctx, context, block, protected, start, stop)
-            return out
+            out, best = attend_and_score(q, ctx, context, block, protected, start, stop)
+            torch.maximum(scores[layer][..., start:stop], best, out=scores[layer][..., start:stop])
+            return out  # the chunk's score: its largest attention over every piece of the repetition
 
         device = ctx0.token_ids.device
         for start, stop, rep in chunks:
             current.update(start=start, stop=stop)
-            replay(cache, [torch.tensor([rep], device=device)], observe)
+            for s in scores.values():
+                s[..., start:stop] = 0.0
+            replay(cache, [torch.tensor([rep], device=device)], observe, piece=_REPLAY_PIECE)
         self._evict(mine, scores, contexts)
 
     def _evict(self, layers, scores, contexts) -> None:
@@ -186,7 +194,7 @@ def attend_and_score(q, ctx, context, block, protected: int, start: int, stop: i
     g = hq // hkv
     out = torch.empty_like(q)
     best = torch.zeros(b, hkv, stop - start, dtype=torch.float32, device=q.device)
-    step = rows_per_chunk(b * hq, positions.shape[-1])
+    step = rows_per_chunk(b * hq, positions.shape[-1], budget=_REPLAY_PROBS)
     for lo in range(0, m, step):
         hi = min(m, lo + step)
         rows = hi - lo
@@ -221,7 +229,7 @@ def reconstruction_scores(q, keys, positions, ctx, protected: int, n_chunk: int)
     with the layer's own visibility, soft-cap and sinks, maximised over the query group and the queries."""
     b, m = q.shape[0], q.shape[2]
     best = torch.zeros(b, keys.shape[1], n_chunk, dtype=torch.float32, device=q.device)
-    step = rows_per_chunk(b * q.shape[1], keys.shape[2])
+    step = rows_per_chunk(b * q.shape[1], keys.shape[2], budget=_REPLAY_PROBS)
     for lo in range(0, m, step):
         hi = min(m, lo + step)
         probs = _row_probs(q, lo, hi, keys, positions, ctx)

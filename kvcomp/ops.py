@@ -29,10 +29,11 @@ PROBS_PER_CHUNK = 1 << 22  # probabilities a scoring pass holds at once (16 MiB 
 # layer's own K/V costs at long prompts, so scoring never lifts the prefill's peak above no compression's
 
 
-def rows_per_chunk(batch_heads: int, length: int, most: int = 256) -> int:
+def rows_per_chunk(batch_heads: int, length: int, most: int = 256, budget: int = PROBS_PER_CHUNK) -> int:
     """Query rows to score at a time: at most ``most``, and few enough that their float32 probabilities over
-    ``length`` keys, for ``batch_heads`` (batch x query heads), stay within :data:`PROBS_PER_CHUNK`."""
-    return max(1, min(most, PROBS_PER_CHUNK // max(1, batch_heads * length)))
+    ``length`` keys, for ``batch_heads`` (batch x query heads), stay within ``budget`` (a pass that runs
+    while the full prompt KV of every layer is held, as KVzip's does, takes a smaller one)."""
+    return max(1, min(most, budget // max(1, batch_heads * length)))
 
 
 @dataclass(frozen=True)
