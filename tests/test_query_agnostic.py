@@ -464,7 +464,7 @@ def test_kvzip_replay_in_pieces_scores_as_one_forward(tiny, monkeypatch):
         monkeypatch.setattr(kvzip_module, "_REPLAY_PIECE", piece)
         monkeypatch.setattr(KVzip, "_evict", lambda self, layers, s, contexts, piece=piece: scores.update({piece: s}))
         calls = []
-        handle = model.register_forward_pre_hook(lambda *a, **k: calls.append(1))
+        handle = model.register_forward_pre_hook(lambda *a, calls=calls, **k: calls.append(1))
         try:
             prefilled(model, tokenizer, KVzip(compression_ratio=0.5, chunk_size=40, n_sink=3, **BARE))
         finally:
