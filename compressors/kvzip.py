@@ -40,7 +40,6 @@ from kvcomp.selection import TokenSelection, compact, select_top, store_from_blo
 # Probabilities the replay holds at once (4 MiB in float32; a scoring pass of its chunk makes about four such
 # transients): it runs while the prompt's full K/V of every layer is held, at no compression's own peak.
 _REPLAY_PROBS = 1 << 20
-_REPLAY_PIECE = 512  # repetition tokens per forward of the replay: its activations are a piece's, not a chunk's
 
 
 @dataclass
@@ -145,16 +144,13 @@ class KVzip(TokenSelection):
             if layer not in scores:
                 return None  # a sliding layer: attended as usual, not scored
             start, stop = current["start"], current["stop"]
-            out, best = attend_and_score(q, ctx, context, block, protected, start, stop)
-            torch.maximum(scores[layer][..., start:stop], best, out=scores[layer][..., start:stop])
-            return out  # the chunk's score: its largest attention over every piece of the repetition
+            out, scores[layer][..., start:stop] = attend_and_score(q, ctx, context, block, protected, start, stop)
+            return out
 
         device = ctx0.token_ids.device
         for start, stop, rep in chunks:
             current.update(start=start, stop=stop)
-            for s in scores.values():
-                s[..., start:stop] = 0.0
-            replay(cache, [torch.tensor([rep], device=device)], observe, piece=_REPLAY_PIECE)
+            replay(cache, [torch.tensor([rep], device=device)], observe)
         self._evict(mine, scores, contexts)
 
     def _evict(self, layers, scores, contexts) -> None:

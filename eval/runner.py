@@ -66,6 +66,7 @@ from kvcomp.generation import (
     template_overhead,
 )
 from kvcomp.lossless import Lossless
+from kvcomp.memory import PeakMemory
 from kvcomp.metrics import fidelity
 from kvcomp.registry import name_of
 from kvcomp.validation import UsageError, check_context_length, positive_int
@@ -687,6 +688,7 @@ def _run_grid(model, tokenizer, task_samples: Task, resolved: dict[str, Compress
     stop_ids = stop_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     mode = "query_aware" if query_aware else "query_agnostic"
+    device = str(model.device)
 
     for s in tqdm(task_samples.samples, desc=f"{task_samples.name} x {len(resolved)} compressors ({mode})",
                   disable=not progress):
@@ -695,10 +697,13 @@ def _run_grid(model, tokenizer, task_samples: Task, resolved: dict[str, Compress
         if not labels and references.get(key) is not None:
             continue
         parts = [split_prompt(tokenizer, s.context, s.question, s.answer_prefix, s.chat_template)]
-        continue_from, pre = _continuation(model, parts, query_aware, pad_id, store, s.chat_template)
+        continue_from, pre, prefilled = _continuation(model, parts, query_aware, pad_id, store, s.chat_template)
+        if store is None:
+            prefilled()  # always needed: run (and measure) it before the configurations' own peaks
+        measured = {}
         uncompressed = None
         if references.get(key) is None:
-            uncompressed = continue_from(None, s.max_new_tokens, stop_ids)
+            uncompressed, measured["none"] = _measured(continue_from, None, s.max_new_tokens, stop_ids, pre, device)
             ids = uncompressed[0]
             references.add([{"key": key, "id": s.id, "token_ids": ids[0],
                              "text": tokenizer.decode(ids[0], skip_special_tokens=True)}])
@@ -706,13 +711,15 @@ def _run_grid(model, tokenizer, task_samples: Task, resolved: dict[str, Compress
         for label in labels:
             if resolved[label] is None and uncompressed is not None:
                 # An uncompressed label runs exactly the decode the reference just ran: keep it, do not redo it.
-                rows, stats = uncompressed
+                (rows, stats), rise = uncompressed, measured["none"]
             else:
-                rows, stats = continue_from(resolved[label], s.max_new_tokens, stop_ids)
+                (rows, stats), rise = _measured(continue_from, resolved[label], s.max_new_tokens, stop_ids, pre,
+                                                device)
             out = _batch_result(tokenizer, parts, rows, stats, resolved[label])
             record = _records(task_samples, [s], out, configs[label], mode, ref_ids)[0]
             record.update(compress_seconds=stats["compress_seconds"],
-                          shared_prefill_seconds=stats["shared_prefill_seconds"])
+                          shared_prefill_seconds=stats["shared_prefill_seconds"], peak_rise_mb=rise,
+                          shared_prefill_peak_rise_mb=pre[0].peak_rise_mb if pre else None)
             if store is not None:
                 record.update(from_store=not stats["recomputed"], context_key=stats["context_key"])
             _append(paths[label], [record])
@@ -720,6 +727,16 @@ def _run_grid(model, tokenizer, task_samples: Task, resolved: dict[str, Compress
 
     return {label: write_summary(path.parent, task_samples.name, task_samples.config.get("length"), task_samples)
             for label, path in paths.items()}
+
+
+def _measured(continue_from, compressor, max_new_tokens: int, stop_ids, pre: list, device: str):
+    """``(continue_from(...), peak rise in MiB)``: the peak rise of process memory while a configuration builds its
+    cache from the shared prefill and decodes; None where the call ran the shared prefill itself (a store miss):
+    that peak is the prefill's, recorded apart."""
+    had_prefill = bool(pre)
+    with PeakMemory(device) as peak:
+        result = continue_from(compressor, max_new_tokens, stop_ids)
+    return result, (peak.peak - peak.start) / 2**20 if had_prefill or not pre else None
 
 
 def write_summary(run_dir: str | os.PathLike, task: str, length: int | None,
@@ -736,21 +753,26 @@ def write_summary(run_dir: str | os.PathLike, task: str, length: int | None,
 
 
 def _continuation(model, parts, query_aware: bool, pad_id: int, store, chat_template: bool):
-    """``(continue_from(compressor, max_new_tokens, stop_ids), holder)`` for one sample: from ONE shared prefill,
-    or through ``store`` (the prefill runs only if some configuration is not stored; ``holder`` keeps it)."""
+    """``(continue_from(compressor, max_new_tokens, stop_ids), holder, prefilled)`` for one sample: from ONE shared
+    prefill, or through ``store`` (the prefill runs only if some configuration is not stored; ``holder`` keeps it,
+    ``prefilled()`` runs it now, its peak memory rise in its ``peak_rise_mb``)."""
     holder: list = []
 
     def prefilled():
         if not holder:
-            holder.append(shared_prefill.prefill(model, parts, query_aware, pad_id))
+            with PeakMemory(str(model.device)) as peak:
+                pre = shared_prefill.prefill(model, parts, query_aware, pad_id)
+            pre.peak_rise_mb = (peak.peak - peak.start) / 2**20
+            holder.append(pre)
         return holder[0]
 
     if store is None:
-        return (lambda c, n, stops: shared_prefill.continue_from(model, prefilled(), c, n, pad_id, stops)), holder
+        return ((lambda c, n, stops: shared_prefill.continue_from(model, prefilled(), c, n, pad_id, stops)), holder,
+                prefilled)
     from kvcomp.contexts import continue_stored
 
     return (lambda c, n, stops: continue_stored(model, parts, query_aware, c, store, prefilled, n, pad_id, stops,
-                                                chat_template)), holder
+                                                chat_template)), holder, prefilled
 
 
 def _records(task_samples: Task, batch: list[Sample], out: _Batch, config: dict, mode: str,
@@ -869,6 +891,7 @@ def summarize(records: Iterable[dict]) -> dict[str, Any]:
         "agreement": _mean(r.get("agreement") for r in with_fidelity),
         "prefill_seconds": _mean(r["prefill_seconds"] for r in records),
         "decode_seconds": _mean(r["decode_seconds"] for r in records),
+        "peak_rise_mb": _mean(r.get("peak_rise_mb") for r in records),
         "lossless": _label(records, "lossless"),
         "mean_tokens_per_round": _mean(
             (r.get("lossless_stats") or {}).get("mean_tokens_per_round") for r in records

@@ -33,7 +33,6 @@ import gc
 import json
 import os
 import platform
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from kvcomp import files, metrics, steps
+from kvcomp.memory import PeakMemory, fixed_malloc_threshold, rss_bytes  # noqa: F401 (rss_bytes: re-exported)
 
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192)
 KVCOMP_BASELINE = "none-kvcomp"  # the uncompressed cache through kvcomp's own path
@@ -114,69 +114,6 @@ def build_compressor(spec: str, config: BenchConfig):
 
 
 # -- measurements --------------------------------------------------------------------------------------------
-def rss_bytes() -> int:
-    """Resident set size of this process now (Linux /proc; falls back to the peak from getrusage)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class PeakMemory:
-    """Samples the process RSS (and CUDA's peak allocation) every few ms while the ``with`` block runs;
-    ``peak - start`` is the block's rise (on CUDA: peak allocated over what was allocated at the start).
-    ``collect``: run the garbage collector first (off for a decode step: it would cost more than the step)."""
-
-    def __init__(self, device: str, interval: float = 0.01, collect: bool = True):
-        self.device, self.interval, self.collect = device, interval, collect
-        self.start = self.peak = 0
-        self._stop = threading.Event()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, rss_bytes())
-
-    def __enter__(self) -> PeakMemory:
-        if self.collect:
-            gc.collect()
-        if self.device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
-            self._cuda_start = torch.cuda.memory_allocated()
-        self.start = self.peak = rss_bytes()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-        if self.device.startswith("cuda"):
-            self.start, self.peak = self._cuda_start, torch.cuda.max_memory_allocated()
-
-
-def fixed_malloc_threshold(nbytes: int = 1 << 16) -> bool:
-    """Make glibc serve every allocation of ``nbytes`` or more by its own mapping, returned when freed
-    (``mallopt(M_MMAP_THRESHOLD)``, which also turns off its dynamic threshold). With glibc's default the
-    threshold grows to 32 MiB after the first large free, the prefill's transients then come from the heap and
-    fragmentation keeps them resident, so a process's peak depends on allocation order more than on what the
-    cache holds (measured: FreeKV at 4K rose 583 MiB with the default, 122 MiB with this, none 282 MiB). The
-    benchmark sets it so that the peaks compare what each method allocates; returns whether it could."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name or platform.system() != "Linux":
-        return False
-    try:
-        return bool(ctypes.CDLL(name).mallopt(-3, nbytes))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
 def copy_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes per second a large tensor copy moves on ``device`` (best of ``repeats``; each byte is read once
     and written once, so a read-only stream is bounded by about this rate)."""

@@ -33,8 +33,9 @@ from experiments.shard import (
 from kvcomp import files
 
 RESULTS_FILE = "results.jsonl"
-# Fields of a record that measure time: they differ between any two runs of the same thing.
-TIMING_FIELDS = ("prefill_seconds", "decode_seconds", "compress_seconds", "shared_prefill_seconds")
+# Fields of a record that measure time or peak memory: they differ between any two runs of the same thing.
+TIMING_FIELDS = ("prefill_seconds", "decode_seconds", "compress_seconds", "shared_prefill_seconds", "peak_rise_mb",
+                 "shared_prefill_peak_rise_mb")
 
 
 class ShardMergeError(ValueError):

@@ -28,20 +28,16 @@ Observer = Callable[[int, torch.Tensor, LayerContext, tuple, tuple], torch.Tenso
 
 @dataclass
 class _Replay(Compressor):
-    """State: ``(prefilled (keys, values, positions), block so far or None)``; a block's pieces are appended and
-    attended, and the block is dropped after its last piece."""
+    """State: the prefilled ``(keys, values, positions)``; a block is appended, attended, then dropped."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(lossy=False)
     sliding_layers: ClassVar[str] = "compress"  # every layer
 
     def __post_init__(self) -> None:
         self.observer: Observer | None = None
-        self.keep_block = False  # True while the block has pieces to come
 
     def append(self, layer, state, k, v, ctx):
-        context, block = state
-        piece = (k, v, ctx.positions)
-        return context, piece if block is None else tuple(torch.cat(p, dim=2) for p in zip(block, piece))
+        return state, (k, v, ctx.positions)
 
     def attend(self, layer, state, q, ctx):
         (ck, cv, cpos), (bk, bv, bpos) = state
@@ -55,23 +51,19 @@ class _Replay(Compressor):
         return out
 
     def after_attend(self, layer, state, ctx):
-        return state if self.keep_block else (state[0], None)
-
-    def materialize(self, state):
         return state[0]
 
+    def materialize(self, state):
+        return state
+
     def nbytes(self, state) -> dict[str, int]:
-        return {"device": sum(t.nbytes for part in state if part is not None for t in part), "host": 0, "disk": 0}
+        return {"device": sum(t.nbytes for t in state), "host": 0, "disk": 0}
 
 
 @torch.inference_mode()
-def replay(cache, blocks: list[torch.Tensor], observer: Observer, piece: int | None = None) -> None:
+def replay(cache, blocks: list[torch.Tensor], observer: Observer) -> None:
     """Run ``cache.model`` over each ``[1, m]`` id block after the prefill of ``cache`` (batch 1), calling
-    ``observer`` at every layer; ``cache`` is left as it was.
-
-    ``piece``: feed a block at most this many tokens per forward (None: whole). The queries of a piece attend to
-    the prefill and to the block so far, so the attention is the whole block's, while the forward's activations
-    are a piece's; the observer is called once per piece, with the block so far."""
+    ``observer`` at every layer; ``cache`` is left as it was."""
     from kvcomp import steps
     from kvcomp.cache import CompressedCache
 
@@ -83,16 +75,12 @@ def replay(cache, blocks: list[torch.Tensor], observer: Observer, piece: int | N
         keys, values, positions = theirs.compressor.materialize(theirs.state)
         mine.lazy_initialization(keys, values)
         mine.seen_total, mine.seen, mine.next_position = theirs.seen_total, theirs.seen.clone(), theirs.next_position.clone()
-        mine.state = ((keys, values, positions), None)
+        mine.state = (keys, values, positions)
     start = cache.layers[0].next_position.view(1, 1)
     try:
         for ids in blocks:
             positions = start + torch.arange(ids.shape[1], device=ids.device).view(1, -1)
-            width = piece or ids.shape[1]
-            for lo in range(0, ids.shape[1], width):
-                reader.keep_block = lo + width < ids.shape[1]
-                hi = lo + width
-                steps.forward(model, shadow, ids[:, lo:hi].to(model.device), positions[:, lo:hi].to(model.device))
+            steps.forward(model, shadow, ids.to(model.device), positions.to(model.device))
             for layer in shadow.layers:  # the next block continues from the prefill again
                 layer.seen_total = cache.layers[layer.layer_idx].seen_total
     finally:

@@ -70,6 +70,7 @@ class Prefilled:
     prompt_tokens: list[int]
     shared: dict[int, SharedWork] = field(default_factory=dict)  # per layer, what compressors computed once
     token_rows: list[list[int]] = field(default_factory=list)  # the prefilled ids per row (unpadded)
+    peak_rise_mb: float | None = None  # the prefill's peak rise of process memory, where the caller measured it
 
 
 @torch.inference_mode()

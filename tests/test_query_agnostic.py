@@ -453,29 +453,6 @@ def test_kvzip_rereads_the_context_inside_the_prefill_and_keeps_the_global_budge
     assert {int(k) for layer in cache.layers for k in layer.state.stored_tokens().view(-1)} == {n // 2}
 
 
-def test_kvzip_replay_in_pieces_scores_as_one_forward(tiny, monkeypatch):
-    """The replay feeds a repetition a piece at a time (a piece's activations, not a chunk's, on top of the full
-    prompt KV); each piece's queries attend to the block so far, so the scores are one forward's."""
-    import compressors.kvzip as kvzip_module
-
-    model, tokenizer = tiny
-    scores, forwards = {}, {}
-    for piece in (None, 7):
-        monkeypatch.setattr(kvzip_module, "_REPLAY_PIECE", piece)
-        monkeypatch.setattr(KVzip, "_evict", lambda self, layers, s, contexts, piece=piece: scores.update({piece: s}))
-        calls = []
-        handle = model.register_forward_pre_hook(lambda *a, calls=calls, **k: calls.append(1))
-        try:
-            prefilled(model, tokenizer, KVzip(compression_ratio=0.5, chunk_size=40, n_sink=3, **BARE))
-        finally:
-            handle.remove()
-        forwards[piece] = len(calls)
-    assert forwards[7] > forwards[None] + 4  # the pieces did run as separate forwards
-    assert scores[None].keys() == scores[7].keys()
-    for layer, whole in scores[None].items():
-        torch.testing.assert_close(scores[7][layer], whole, rtol=1e-5, atol=1e-7)
-
-
 def test_kvzip_blocks_follow_the_reference_prompts(tiny):
     _, tokenizer = tiny
     kvzip = KVzip(compression_ratio=0.5, chunk_size=5, overlap=2)

@@ -198,6 +198,9 @@ def test_run_grid_matches_one_run_per_compressor_and_resumes(tiny, task, tmp_pat
             for key in ("prediction", "score", "memory_factor", "kept_tokens", "exact_match", "compressor"):
                 assert a[key] == b[key], (label, key)
             assert a["compress_seconds"] >= 0 and a["shared_prefill_seconds"] > 0
+            # Peak memory per sample: the shared prefill's rise, and this configuration's own (cache build and
+            # decoding), both measured (a rise can be 0 MiB on a tiny model: freed pages are reused).
+            assert a["peak_rise_mb"] >= 0 and a["shared_prefill_peak_rise_mb"] >= 0
 
 
 def test_length_beyond_model_context_is_a_clear_error(tiny, task):

@@ -19,7 +19,7 @@ SPEC = GridSpec(tasks=("niah_single_1", "fwe"), lengths=(512,), samples=3, compr
                 ratios=(0.5,), modes=("agnostic", "aware"), max_new_tokens=4, model="tiny")
 CLI_GRID = ["grid", "--model", "tiny", "--tasks", *SPEC.tasks, "--lengths", "512", "--samples", "3",
             "--compressors", *SPEC.compressors, "--ratios", "0.5", "--modes", *SPEC.modes, "--max-new-tokens", "4"]
-SUMMARY_TIMING = ("prefill_seconds", "decode_seconds", "run_dir")
+SUMMARY_TIMING = ("prefill_seconds", "decode_seconds", "peak_rise_mb", "run_dir")
 
 
 @pytest.fixture
