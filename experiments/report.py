@@ -31,7 +31,7 @@ from kvcomp import files
 COLUMNS = [
     "task", "length", "compressor", "compression_ratio", "budget", "mode", "label", "n", "score",
     "memory_factor", "exact_match_rate", "mean_first_divergence", "agreement", "kept_tokens",
-    "context_length", "prefill_seconds", "decode_seconds", "model", "dtype", "source", "run_dir",
+    "context_length", "prefill_seconds", "decode_seconds", "peak_rise_mb", "model", "dtype", "source", "run_dir",
 ]  # fmt: skip
 MODE_SHORT = {"query_aware": "aware", "query_agnostic": "agnostic"}
 
@@ -343,7 +343,7 @@ def to_markdown(df: pd.DataFrame) -> str:
             elif c == "vs best other":
                 cells.append(_versus(row, "vs_best", row.get("best_other")))
             else:
-                cells.append(_fmt(row[c]))
+                cells.append(_fmt(row.get(c)))  # a column an older table lacks (peak_rise_mb) reads "-"
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     return (LEGEND + "\n\n" + text) if confidence else text
