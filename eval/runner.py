@@ -736,7 +736,7 @@ def _measured(continue_from, compressor, max_new_tokens: int, stop_ids, pre: lis
     had_prefill = bool(pre)
     with PeakMemory(device) as peak:
         result = continue_from(compressor, max_new_tokens, stop_ids)
-    return result, (peak.peak - peak.start) / 2**20 if had_prefill or not pre else None
+    return result, peak.rise_mb if had_prefill or not pre else None
 
 
 def write_summary(run_dir: str | os.PathLike, task: str, length: int | None,
@@ -762,7 +762,7 @@ def _continuation(model, parts, query_aware: bool, pad_id: int, store, chat_temp
         if not holder:
             with PeakMemory(str(model.device)) as peak:
                 pre = shared_prefill.prefill(model, parts, query_aware, pad_id)
-            pre.peak_rise_mb = (peak.peak - peak.start) / 2**20
+            pre.peak_rise_mb = peak.rise_mb
             holder.append(pre)
         return holder[0]
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from kvcomp import files, metrics, steps
-from kvcomp.memory import PeakMemory, fixed_malloc_threshold, rss_bytes  # noqa: F401 (rss_bytes: re-exported)
+from kvcomp.memory import PeakMemory, fixed_malloc_threshold
 
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192)
 KVCOMP_BASELINE = "none-kvcomp"  # the uncompressed cache through kvcomp's own path
@@ -176,7 +176,7 @@ def prefill(model, ids: torch.Tensor, compressor, device: str) -> dict[str, Any]
         seconds = time.perf_counter() - t0
     return {"cache": cache, "rows": rows, "next_ids": logits.argmax(-1), "prefill_s": seconds,
             "prefill_tok_s": ids.shape[1] / seconds, "peak_rss_mb": memory.peak / 2**20,
-            "peak_rise_mb": (memory.peak - memory.start) / 2**20, "step_s": []}
+            "peak_rise_mb": memory.rise_mb, "step_s": []}
 
 
 @torch.inference_mode()

@@ -37,6 +37,11 @@ class PeakMemory:
         self.start = self.peak = 0
         self._stop = threading.Event()
 
+    @property
+    def rise_mb(self) -> float:
+        """The block's rise in MiB (``peak - start``)."""
+        return (self.peak - self.start) / 2**20
+
     def _sample(self) -> None:
         while not self._stop.wait(self.interval):
             self.peak = max(self.peak, rss_bytes())
