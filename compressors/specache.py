@@ -20,8 +20,10 @@ the full KV, so a 1/8 budget there needs ``bits=1``.
 Each decode step the low-bit keys score every token (``q . k_hat``, maximized over the query group); the
 top-k tokens per KV head are fetched at full precision and replace their low-bit versions: one softmax runs
 over sinks + fetched tokens + window at full precision and over every other token's low-bit copy (the
-scoring logits are reused for the low-bit part, so the low-bit keys are dequantized once per step; the
-values once too, ``[B, H, L, D]`` in float32 — the same transient as a dense step's K/V).
+scoring logits are reused for the low-bit part). On the CPU in float32 both passes are the fused C kernels of
+:mod:`kvcomp.kernels.cpu_native`, which read the packed codes and dequantize in registers (scoring:
+``quant_key_logits``; attention: ``quant_attention`` given those logits, the fetched tokens' low-bit slots
+masked as empty); elsewhere torch dequantizes the keys and values once per step (``[B, H, L, D]`` transients).
 
 What is implemented of the speculation, precisely: the paper decodes a *speculative next token* alongside
 each output token (two positions per forward, the second attending over the low-bit cache) and uses its
@@ -47,8 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcomp import validation
-from kvcomp.compressor import CompressorError
-from kvcomp.kernels import quant_ref
+from kvcomp.compressor import SENTINEL, CompressorError
+from kvcomp.kernels import cpu_native, quant_ref
 from kvcomp.ops import softcap, softmax, visible
 from kvcomp.retrieval import Retrieval, RetrievalState
 
@@ -109,17 +111,23 @@ class SpeCache(Retrieval):
         return [] if summary is None else summary.tensors()
 
     def score(self, state: RetrievalState, qg: torch.Tensor, scaling: float) -> torch.Tensor:
-        # qg: [B, H, G, D] -> [B, H, L] over the low-bit keys; the logits are kept for this step's attention.
+        # qg: [B, H, G, D] -> [B, H, L] over the low-bit keys; the scaled logits are kept for this step's attention.
         s = state.summary
-        cdt = torch.promote_types(qg.dtype, torch.float32)
-        keys = quant_ref.dequantize_keys(s.key_codes, s.key_scale, s.key_zero, self.bits, cdt).flatten(2, 3)
-        logits = torch.matmul(qg.to(cdt), keys.transpose(-1, -2))  # [B, H, G, L]
+        if cpu_native.supports_logits(qg, s.key_scale):  # one pass over the packed codes, nothing dequantized
+            logits = cpu_native.quant_key_logits(qg.reshape(qg.shape[0], -1, 1, qg.shape[-1]), s.key_codes, s.key_scale,
+                                                 s.key_zero, self.bits, scaling)
+        else:
+            cdt = torch.promote_types(qg.dtype, torch.float32)
+            keys = quant_ref.dequantize_keys(s.key_codes, s.key_scale, s.key_zero, self.bits, cdt).flatten(2, 3)
+            logits = torch.matmul(qg.to(cdt), keys.transpose(-1, -2)) * scaling  # [B, H, G, L]
         state.scratch = logits
         return logits.amax(2)
 
     def attend_decode(self, state, q, ctx, keys, values, positions, units):
         """One softmax over the full-precision tokens (sinks, fetched, window) and the low-bit copies of the
-        others; the low-bit keys' logits come from this step's scoring, values are dequantized once."""
+        others, reusing the low-bit keys' logits of this step's scoring. On the CPU in float32 that is the fused
+        kernel of :mod:`kvcomp.kernels.cpu_native` (the values read packed); elsewhere torch dequantizes the
+        values once."""
         b, h = keys.shape[:2]
         s, logits_low = state.summary, state.scratch
         state.scratch = None
@@ -127,26 +135,32 @@ class SpeCache(Retrieval):
             return super().attend_decode(state, q, ctx, keys, values, positions, units)
         hq, d = q.shape[1], q.shape[-1]
         qg = q.reshape(b, h, hq // h, d)
-        cdt = torch.promote_types(q.dtype, torch.float32)
         if logits_low is None:  # nothing was scored this step (no unit fits the budget)
             self.score(state, qg, ctx.scaling)
             logits_low, state.scratch = state.scratch, None
         n_low = logits_low.shape[-1]
-        # Fetched tokens replace their low-bit copies: mask those out (-1 units go to a spare slot).
-        fetched = torch.zeros(b, h, n_low + 1, dtype=torch.bool, device=q.device)
-        fetched.scatter_(2, units.masked_fill(units < 0, n_low), True)
-        k_fp = torch.cat([state.sink_k, keys, state.recent_k], dim=2).to(cdt)
-        v_fp = torch.cat([state.sink_v, values, state.recent_v], dim=2).to(cdt)
+        # Fetched tokens replace their low-bit copies: their low-bit positions become empty slots (SENTINEL,
+        # never visible under kvcomp.ops.visible); -1 units go to a spare slot.
+        low_pos = torch.cat([self._positions(state, state.n_sink, state.boundary, q),
+                             torch.zeros(b, h, 1, dtype=torch.long, device=q.device)], dim=2)
+        low_pos = low_pos.scatter(2, units.masked_fill(units < 0, n_low), SENTINEL)[:, :, :n_low]
+        k_fp = torch.cat([state.sink_k, keys, state.recent_k], dim=2)
+        v_fp = torch.cat([state.sink_v, values, state.recent_v], dim=2)
         pos_fp = torch.cat([self._positions(state, 0, state.n_sink, q), positions,
                             self._positions(state, state.boundary, state.length, q)], dim=2)
-        logits_fp = torch.matmul(qg.to(cdt), k_fp.transpose(-1, -2))  # [B, H, G, F]
-        logits = softcap(torch.cat([logits_low, logits_fp], dim=-1) * ctx.scaling, ctx.spec.softcap)
-        # A decode step sees every stored position: masked are the low-bit copies of fetched tokens and the empty
-        # fetch slots (SENTINEL positions, kvcomp.ops.visible).
-        hidden = torch.cat([fetched[:, :, None, :-1].expand_as(logits_low),
-                            ~visible(ctx.query_positions.view(b, 1, 1, 1), pos_fp.unsqueeze(2)).expand_as(logits_fp)],
-                           dim=-1)
-        probs = softmax(logits.masked_fill(hidden, float("-inf")), ctx.spec.grouped_sinks(h, 1, q.device))
+        spec = ctx.spec
+        if cpu_native.supports(q, s.value_scale, self.bits, s.key_scale, k_fp):
+            return cpu_native.quant_attention(
+                q, ctx.query_positions, s.key_codes, s.key_scale, s.key_zero, s.value_codes, s.value_scale,
+                s.value_zero, low_pos.view(s.key_codes.shape[:4]), k_fp, v_fp, pos_fp, self.bits, ctx.scaling,
+                window=spec.window, softcap=spec.softcap, sinks=spec.sinks, key_logits=logits_low,
+            ).to(q.dtype)
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        logits_fp = torch.matmul(qg.to(cdt), k_fp.to(cdt).transpose(-1, -2)) * ctx.scaling  # [B, H, G, F]
+        logits = softcap(torch.cat([logits_low, logits_fp], dim=-1), spec.softcap)
+        pos = torch.cat([low_pos, pos_fp], dim=-1).unsqueeze(2)
+        hidden = ~visible(ctx.query_positions.view(b, 1, 1, 1), pos, spec.window).expand_as(logits)
+        probs = softmax(logits.masked_fill(hidden, float("-inf")), spec.grouped_sinks(h, 1, q.device))
         v_low = quant_ref.dequantize_values(s.value_codes, s.value_scale, s.value_zero, self.bits, cdt).flatten(2, 3)
-        out = torch.matmul(probs[..., :n_low], v_low) + torch.matmul(probs[..., n_low:], v_fp)
+        out = torch.matmul(probs[..., :n_low], v_low) + torch.matmul(probs[..., n_low:], v_fp.to(cdt))
         return out.reshape(b, hq, 1, d).to(q.dtype)

@@ -285,6 +285,39 @@ def test_native_cpu_quant_attention_matches_reference(bits, gqa, d, residual, n)
                                rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits,gqa,d,n", [(2, 3, 64, 1), (4, 4, 24, 2), (1, 3, 64, 1), (8, 1, 16, 1)])
+def test_native_quant_key_logits_are_the_dequantized_keys_logits(bits, gqa, d, n):
+    """Every quantized key's scaled logit for every query row (m = head-in-group * n + query), 1 bit included."""
+    if DEVICE != "cpu" or cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    b, h, n_groups, group = 2, 2, 3, 8
+    q = randn(b, h * gqa, n, d, seed=21)
+    kc, ks, kz = quant_ref.quantize_keys(randn(b, h, n_groups, group, d, seed=22), bits)
+    keys = quant_ref.dequantize_keys(kc, ks, kz, bits, torch.float32).flatten(2, 3)
+    expected = torch.matmul(q.reshape(b, h, gqa * n, d), keys.transpose(-1, -2)) * 0.3
+    out = cpu_native.quant_key_logits(q, kc, ks, kz, bits, 0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    if n == 1:  # the group maximum is the reference's retrieval score
+        torch.testing.assert_close(out.amax(2), retrieval_ref.quant_key_scores(q, kc, ks, kz, bits, 0.3, "max"),
+                                   rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,gqa,d,residual,n", [(4, 3, 24, 6, 2), (2, 3, 64, 6, 1)])
+def test_native_quant_attention_reuses_given_key_logits_exactly(bits, gqa, d, residual, n):
+    """Logits passed in (as SpeCache passes its scoring logits) give the same attention as logits computed from
+    the codes, masking (ragged rows, a blind query) included; garbage codes show they are not read again."""
+    if DEVICE != "cpu" or cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    args = list(quant_case(bits, gqa, torch.float32, d=d, residual=residual, n=n, seed=13))
+    scaling = args[13] if len(args) > 13 else 1.0
+    logits = cpu_native.quant_key_logits(args[0], args[2], args[3], args[4], bits, scaling)
+    expected = cpu_native.quant_attention(*args)
+    args[2] = torch.randint_like(args[2], 0, 255)
+    torch.testing.assert_close(cpu_native.quant_attention(*args, key_logits=logits), expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="key_logits"):
+        cpu_native.quant_attention(*args, key_logits=logits[:, :1])
+
+
 def test_kernel_benchmark_script_runs_at_tiny_size(tmp_path):
     from experiments import kernel_bench
 

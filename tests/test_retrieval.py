@@ -283,10 +283,18 @@ def test_long_decode_moves_chunks_into_the_summary(tiny, make):
     assert stats["bytes_per_token"] > 0 and 0 <= stats["hit_rate"] <= 1 and 0 <= stats["recall"] <= 1
 
 
-def test_specache_attends_fetched_tokens_in_place_of_their_low_bit_copies():
-    from kvcomp.kernels import quant_ref
+@pytest.mark.parametrize("native", ["1", "0"], ids=["fused-c", "torch"])
+def test_specache_attends_fetched_tokens_in_place_of_their_low_bit_copies(native, monkeypatch):
+    """Both decode paths: the fused C kernel (scoring logits reused, values read packed) and torch."""
+    from kvcomp.kernels import cpu_native, quant_ref
     from kvcomp.ops import dense_attention
 
+    monkeypatch.setenv("KVCOMP_NATIVE", native)
+    if native == "1" and cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    calls = []
+    fused = cpu_native.quant_attention
+    monkeypatch.setattr(cpu_native, "quant_attention", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
     q, k, v, ctx = layer_inputs()
     c = SpeCache(bits=2, group_size=8, top_k=9, n_sink=4, window=8, tier="ram", speculative=False)
     state = c.prefill(0, q, k, v, ctx)
@@ -304,6 +312,7 @@ def test_specache_attends_fetched_tokens_in_place_of_their_low_bit_copies():
     values = torch.cat([v[:, :, :4], v_low, v[:, :, state.boundary:]], dim=2)
     expected, _ = dense_attention(query, keys, values, torch.tensor([[199]]), ctx.positions, AttentionSpec(16**-0.5))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (native == "1")
 
 
 @pytest.mark.parametrize("make", [FreeKV, SpeCache], ids=IDS)

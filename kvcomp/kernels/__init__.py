@@ -9,7 +9,8 @@ quant_attention        :mod:`cpu_native` (fused C, float32) or      :mod:`quant_
                        :mod:`quant_ref` is the readable spec        GQA group)
 sparse_attention       :mod:`sparse_ref`                           :mod:`sparse_triton`
 page_scores            :mod:`retrieval_ref`                        :mod:`retrieval_triton`
-quant_key_scores       :mod:`retrieval_ref`                        :mod:`retrieval_triton`
+quant_key_scores       :mod:`retrieval_ref` (SpeCache on the CPU:   :mod:`retrieval_triton`
+                       ``cpu_native.quant_key_logits``)
 =====================  ==========================================  ==========================================
 
 Dispatch: the functions of this module pick Triton when the tensors are on CUDA and Triton imports, and the

@@ -4,7 +4,9 @@ Torch on a CPU runs a decode step's attention as a series of passes over memory 
 matmul); over a quantized cache that costs more than plain attention over the float cache, which is why
 KIVI-style implementations are often *slower* than no compression on CPUs. This kernel does what the Triton
 kernel does on a GPU: one pass over the packed codes per (row, KV head), dequantizing in registers, the
-query group sharing every byte read (logits of all query rows, one softmax, then values).
+query group sharing every byte read (logits of all query rows, one softmax, then values). A second entry
+point, :func:`quant_key_logits`, gives the logits of every quantized key alone (SpeCache scores its low-bit copy
+with them and hands them back to :func:`quant_attention`, which then skips the key codes).
 
 It is compiled with the system C compiler (``$CC``, default ``cc``) into ``$KVCOMP_CACHE/kernels`` the first
 time it is needed (about a second) and loaded with ctypes. Float32 CPU tensors only; anything else, no
@@ -74,10 +76,80 @@ static inline void scale(float* restrict o, float a, const float* restrict x, in
    qp - window < kp <= qp (window 0: no lower bound); a query that sees no key at all sees every slot. */
 #define VISIBLE(kp, hi, lo) ((int64_t)(kp) <= (hi) && (int64_t)(kp) >= (lo))
 
+/* Raw logits (q . k_hat + q . z) * scaling of one group of G tokens for the M query rows of one (row, KV head):
+   qb [M, D]; s, z [D] the group's key scale and zero; kc [G, W] its packed codes; channel[c]: original channel
+   of plane-major column c; scaled_q [M, D] and codes [D] are scratch. Writes out[m * stride + i]. */
+static void group_logits(const float* restrict qb, const float* restrict s, const float* restrict z,
+                         const uint8_t* restrict kc, int64_t M, int64_t D, int64_t W, int64_t G, int bits,
+                         const int64_t* restrict channel, float* restrict scaled_q, float* restrict codes,
+                         float* restrict out, int64_t stride, float scaling) {
+    float bias[M > 0 ? M : 1];  /* logit = sum_d (q_d * s_d) * c_d + sum_d q_d * z_d */
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t c = 0; c < D; c++) scaled_q[m * D + c] = qb[m * D + channel[c]] * s[channel[c]];
+        bias[m] = dot(qb + m * D, z, D);
+    }
+    for (int64_t i = 0; i < G; i++) {
+        unpack_planes(kc + i * W, W, bits, codes);
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) {  /* four query rows per pass over the codes */
+            const float *s0 = scaled_q + m * D, *s1 = s0 + D, *s2 = s1 + D, *s3 = s2 + D;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+            for (int64_t c = 0; c < D; c++) {
+                const float x = codes[c];
+                a0 += s0[c] * x; a1 += s1[c] * x; a2 += s2[c] * x; a3 += s3[c] * x;
+            }
+            out[m * stride + i] = (a0 + bias[m]) * scaling;
+            out[(m + 1) * stride + i] = (a1 + bias[m + 1]) * scaling;
+            out[(m + 2) * stride + i] = (a2 + bias[m + 2]) * scaling;
+            out[(m + 3) * stride + i] = (a3 + bias[m + 3]) * scaling;
+        }
+        if (m + 3 <= M) {  /* three rows (a GQA group of 3) in one pass */
+            const float *s0 = scaled_q + m * D, *s1 = s0 + D, *s2 = s1 + D;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
+            for (int64_t c = 0; c < D; c++) {
+                const float x = codes[c];
+                a0 += s0[c] * x; a1 += s1[c] * x; a2 += s2[c] * x;
+            }
+            out[m * stride + i] = (a0 + bias[m]) * scaling;
+            out[(m + 1) * stride + i] = (a1 + bias[m + 1]) * scaling;
+            out[(m + 2) * stride + i] = (a2 + bias[m + 2]) * scaling;
+            m += 3;
+        }
+        for (; m < M; m++) out[m * stride + i] = (dot(scaled_q + m * D, codes, D) + bias[m]) * scaling;
+    }
+}
+
+static void plane_channels(int64_t* channel, int64_t D, int64_t W, int bits) {
+    const int64_t P = 8 / bits;
+    for (int64_t c = 0; c < D; c++) channel[c] = (c % W) * P + c / W;
+}
+
+/* Scaled logits of every quantized key for M query rows per (row, KV head), no masking: q [BH, M, D];
+   kc [BH, L, W]; ks, kz [BH, L / G, D]; out [BH, M, L]; work [BH * chunks, M * D + D]. */
+void quant_key_logits_f32(const float* q, const uint8_t* kc, const float* ks, const float* kz, float* out,
+                          float* work, int64_t B, int64_t H, int64_t M, int64_t L, int64_t G, int64_t D, int64_t W,
+                          int64_t chunks, int bits, float scaling, int threads) {
+    const int64_t BH = B * H, NG = L / G, per_chunk = (NG + chunks - 1) / chunks;
+    int64_t channel[D > 0 ? D : 1];
+    plane_channels(channel, D, W, bits);
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t bh = 0; bh < BH; bh++) {
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            float* scaled_q = work + (bh * chunks + chunk) * (M * D + D);
+            const int64_t g_end = (chunk + 1) * per_chunk < NG ? (chunk + 1) * per_chunk : NG;
+            for (int64_t grp = chunk * per_chunk; grp < g_end; grp++)
+                group_logits(q + bh * M * D, ks + (bh * NG + grp) * D, kz + (bh * NG + grp) * D,
+                             kc + (bh * L + grp * G) * W, M, D, W, G, bits, channel, scaled_q, scaled_q + M * D,
+                             out + bh * M * L + grp * G, L, scaling);
+        }
+    }
+}
+
 /* q [BH, M, D] (row m is query m % n of the group's head m / n); qpos [B, n]; kc, vc [BH, L, W];
    ks, kz [BH, L / G, D]; vs, vz [BH, L, J]; pos [BH, L]; rk, rv [BH, R, D]; rpos [BH, R]; out [BH, M, D];
    logits [BH, M, L + R]; window: sliding window (0: none); softcap: logit soft-cap (0: none); sinks: [H * M / n]
-   sink logits per query head (NULL: none);
+   sink logits per query head (NULL: none); key_logits [BH, M, L]: the quantized keys' scaled logits when the
+   caller has them (quant_key_logits_f32; NULL: computed here);
    work [BH * chunks, M * D + 2 * D + G * D]; partial [BH * chunks, M, D]. Each row's groups are split into `chunks` ranges
    that threads take in parallel (keys, then values into per-chunk partial sums).
    Needs D % P == 0 and (D / J) % P == 0 (P = 8 / bits codes per byte). */
@@ -86,11 +158,12 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                          const float* rk, const float* rv, const int32_t* rpos, float* out, float* logits,
                          float* work, float* partial, int64_t B, int64_t H, int64_t M, int64_t n, int64_t L,
                          int64_t G, int64_t R, int64_t D, int64_t J, int64_t W, int64_t chunks, int bits,
-                         float scaling, int threads, int64_t window, float softcap, const float* sinks) {
+                         float scaling, int threads, int64_t window, float softcap, const float* sinks,
+                         const float* key_logits) {
     const int64_t BH = B * H, T = L + R, P = 8 / bits, run = D / J / P;  /* run: columns of a channel group per plane */
     const int64_t NG = L / G, per_chunk = (NG + chunks - 1) / chunks;
     int64_t first[BH > 0 ? BH : 1], channel[D > 0 ? D : 1];  /* channel[c]: original channel of column c */
-    for (int64_t c = 0; c < D; c++) channel[c] = (c % W) * P + c / W;
+    plane_channels(channel, D, W, bits);
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
@@ -100,11 +173,10 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
             for (int64_t t = 0; t < R; t++) if (rpos[bh * R + t] < lowest) lowest = rpos[bh * R + t];
             first[bh] = lowest;
         }
-        /* Keys: logit = sum_d (q_d * s_d) * c_d + sum_d q_d * z_d, with s, z shared by a group of G tokens. */
+        /* Keys: each group's logits (or the caller's), then the visibility rule. */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++) {
             for (int64_t chunk = 0; chunk < chunks; chunk++) {
-                const float* qb = q + bh * M * D;
                 const int64_t* qp = qpos + (bh / H) * n;
                 float* lg = logits + bh * M * T;
                 int64_t row_pos[M > 0 ? M : 1], row_lo[M > 0 ? M : 1];  /* each row's visible range of positions */
@@ -114,45 +186,20 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                     row_lo[m] = blind || window <= 0 ? INT64_MIN : qp[m % n] - window + 1;
                 }
                 float* scaled_q = work + (bh * chunks + chunk) * (M * D + 2 * D + G * D);  /* plane-major q * key scale */
-                float* codes = scaled_q + M * D;
                 const int64_t g_end = (chunk + 1) * per_chunk < NG ? (chunk + 1) * per_chunk : NG;
                 for (int64_t grp = chunk * per_chunk; grp < g_end; grp++) {
-                    const float* s = ks + (bh * NG + grp) * D;
-                    const float* z = kz + (bh * NG + grp) * D;
-                    float bias[M > 0 ? M : 1];
-                    for (int64_t m = 0; m < M; m++) {
-                        for (int64_t c = 0; c < D; c++) scaled_q[m * D + c] = qb[m * D + channel[c]] * s[channel[c]];
-                        bias[m] = dot(qb + m * D, z, D);
+                    if (key_logits) {
+                        for (int64_t m = 0; m < M; m++)
+                            memcpy(lg + m * T + grp * G, key_logits + (bh * M + m) * L + grp * G, sizeof(float) * G);
+                    } else {
+                        group_logits(q + bh * M * D, ks + (bh * NG + grp) * D, kz + (bh * NG + grp) * D,
+                                     kc + (bh * L + grp * G) * W, M, D, W, G, bits, channel, scaled_q,
+                                     scaled_q + M * D, lg + grp * G, T, scaling);
                     }
                     for (int64_t t = grp * G; t < (grp + 1) * G; t++) {
-                        unpack_planes(kc + (bh * L + t) * W, W, bits, codes);
                         const int32_t kp = pos[bh * L + t];
-                        int64_t m = 0;
-                        for (; m + 4 <= M; m += 4) {  /* four query rows per pass over the codes */
-                            const float *s0 = scaled_q + m * D, *s1 = s0 + D, *s2 = s1 + D, *s3 = s2 + D;
-                            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-                            for (int64_t c = 0; c < D; c++) {
-                                const float x = codes[c];
-                                a0 += s0[c] * x; a1 += s1[c] * x; a2 += s2[c] * x; a3 += s3[c] * x;
-                            }
-                            const float dots[4] = {a0, a1, a2, a3};
-                            for (int r = 0; r < 4; r++)
-                                lg[(m + r) * T + t] = VISIBLE(kp, row_pos[m + r], row_lo[m + r]) ? (dots[r] + bias[m + r]) * scaling : -INFINITY;
-                        }
-                        if (m + 3 <= M) {  /* three rows (a GQA group of 3) in one pass */
-                            const float *s0 = scaled_q + m * D, *s1 = s0 + D, *s2 = s1 + D;
-                            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
-                            for (int64_t c = 0; c < D; c++) {
-                                const float x = codes[c];
-                                a0 += s0[c] * x; a1 += s1[c] * x; a2 += s2[c] * x;
-                            }
-                            lg[m * T + t] = VISIBLE(kp, row_pos[m], row_lo[m]) ? (a0 + bias[m]) * scaling : -INFINITY;
-                            lg[(m + 1) * T + t] = VISIBLE(kp, row_pos[m + 1], row_lo[m + 1]) ? (a1 + bias[m + 1]) * scaling : -INFINITY;
-                            lg[(m + 2) * T + t] = VISIBLE(kp, row_pos[m + 2], row_lo[m + 2]) ? (a2 + bias[m + 2]) * scaling : -INFINITY;
-                            m += 3;
-                        }
-                        for (; m < M; m++)
-                            lg[m * T + t] = VISIBLE(kp, row_pos[m], row_lo[m]) ? (dot(scaled_q + m * D, codes, D) + bias[m]) * scaling : -INFINITY;
+                        for (int64_t m = 0; m < M; m++)
+                            if (!VISIBLE(kp, row_pos[m], row_lo[m])) lg[m * T + t] = -INFINITY;
                     }
                 }
             }
@@ -340,7 +387,11 @@ def _compile() -> ctypes.CDLL | None:
     fn = lib.quant_attention_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 11 + [ctypes.c_int, ctypes.c_float, ctypes.c_int,
-                                                                    ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+                                                                    ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                                                                    ctypes.c_void_p]
+    fn = lib.quant_key_logits_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -374,9 +425,12 @@ def quant_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`kvcomp.kernels.quant_ref.quant_attention` (float32 CPU tensors; ``block_tokens`` unused:
-    the kernel holds one token's codes at a time)."""
+    the kernel holds one token's codes at a time). ``key_logits``: the quantized keys' scaled logits
+    ``[B, H_kv, G * n, N * G]`` when the caller computed them already (:func:`quant_key_logits`, as a retrieval
+    method does to score its tokens); the kernel then masks and reuses them instead of reading the key codes."""
     lib = load()
     if lib is None:
         raise RuntimeError("the native CPU kernel is unavailable; use kvcomp.kernels.quant_cpu.quant_attention")
@@ -394,8 +448,12 @@ def quant_attention(
     ]
     sinks = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     threads = max(1, torch.get_num_threads())
-    # Split each row's groups over the threads when there are fewer (row, KV head) pairs than threads.
-    chunks = max(1, min(n_groups, -(-2 * threads // (b * h)))) if threads > 1 else 1
+    chunks = _chunks(n_groups, b * h, threads)
+    if key_logits is not None:
+        if key_logits.shape != (b, h, rows, length) or key_logits.dtype != torch.float32:
+            raise ValueError(f"key_logits must be float32 {(b, h, rows, length)}; got {key_logits.dtype} "
+                             f"{tuple(key_logits.shape)}.")
+        key_logits = key_logits.contiguous()
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
     logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
     work = torch.empty(b * h * chunks, rows * d + 2 * d + group * d, dtype=torch.float32)
@@ -404,5 +462,43 @@ def quant_attention(
         *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
         b, h, rows, n, length, group, r, d, value_scale.shape[-1], key_codes.shape[-1], chunks, bits,
         float(scaling), threads, int(window or 0), float(softcap or 0.0), None if sinks is None else sinks.data_ptr(),
+        None if key_logits is None else key_logits.data_ptr(),
     )
     return out.reshape(b, hq, n, d)
+
+
+def _chunks(n_groups: int, rows_and_heads: int, threads: int) -> int:
+    """Split each (row, KV head)'s groups over the threads when there are fewer such pairs than threads."""
+    return max(1, min(n_groups, -(-2 * threads // rows_and_heads))) if threads > 1 else 1
+
+
+def supports_logits(q: torch.Tensor, key_scale: torch.Tensor) -> bool:
+    """Whether :func:`quant_key_logits` runs these inputs (float32 CPU tensors, the kernel built)."""
+    return (enabled() and q.device.type == "cpu" and q.dtype == torch.float32 and key_scale.dtype == torch.float32
+            and load() is not None)
+
+
+def quant_key_logits(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
+                     bits: int, scaling: float) -> torch.Tensor:
+    """Scaled logits ``scaling * q . k_hat`` of every quantized key, unmasked, read once from the packed codes.
+
+    q: ``[B, H_q, n, D]``; key_codes ``[B, H_kv, N, G, D * bits / 8]``, key_scale / key_zero ``[B, H_kv, N, D]``
+    (:func:`kvcomp.kernels.quant_ref.quantize_keys`). Returns ``[B, H_kv, H_q / H_kv * n, N * G]`` float32: row
+    ``m`` is query ``m % n`` of query head ``m // n`` of the KV head's group.
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernel is unavailable; use kvcomp.kernels.retrieval_ref")
+    b, hq, n, d = q.shape
+    h, n_groups, group = key_codes.shape[1], key_codes.shape[2], key_codes.shape[3]
+    rows, length = hq // h * n, n_groups * group
+    threads = max(1, torch.get_num_threads())
+    chunks = _chunks(n_groups, b * h, threads)
+    qc = q.reshape(b, h, rows, d).contiguous()
+    codes, scale, zero = key_codes.contiguous(), key_scale.contiguous(), key_zero.contiguous()
+    out = torch.empty(b, h, rows, length, dtype=torch.float32)
+    work = torch.empty(b * h * chunks, rows * d + d, dtype=torch.float32)
+    lib.quant_key_logits_f32(qc.data_ptr(), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(),
+                             work.data_ptr(), b, h, rows, length, group, d, key_codes.shape[-1], chunks, bits,
+                             float(scaling), threads)
+    return out
