@@ -4,10 +4,11 @@ from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Capabilities, Compose, Compressor, CompressorError, LayerContext
 from kvcomp.contexts import LoadedContext, SavedContext, load_context, save_context
 from kvcomp.generation import GenerationResult, generate
-from kvcomp.lossless import Lossless, Sampling
+from kvcomp.lossless import Lossless
 from kvcomp.models import load_model
 from kvcomp.registry import available, create, register
 from kvcomp.selection import TokenSelection, TokenStore
+from kvcomp.speculative import Sampling
 
 __all__ = [
     "Capabilities", "Compose", "CompressedCache", "Compressor", "CompressorError", "GenerationResult",

@@ -306,3 +306,48 @@ class CompressedCache(Cache):
     def kept_tokens(self) -> list[torch.Tensor]:
         """Per layer, ``[B, H_kv]`` tokens stored."""
         return [layer.compressor.stored_tokens(layer.state) for layer in self.layers if layer.state is not None]
+
+
+class TierLayer(CacheLayerMixin):
+    """A cache layer whose past K/V live elsewhere (a :class:`kvcomp.full_kv.TieredFullKV`'s tier): each forward
+    takes them from ``owner.fetch(layer)`` (prefetched), and the new tokens' K/V stay in ``new`` until the owner
+    commits the accepted ones (so rejected drafts never reach the tier). ``owner`` provides
+    ``fetch(layer) -> (K, V) | None`` and ``length(layer) -> int``."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, owner, layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.new = (key_states, value_states)
+        past = self.owner.fetch(self.layer_idx)
+        if past is None:
+            return key_states, value_states
+        return torch.cat([past[0], key_states], dim=2), torch.cat([past[1], value_states], dim=2)
+
+    def get_seq_length(self) -> int:
+        return self.owner.length(self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def tier_cache(owner, n_layers: int) -> Cache:
+    """A transformers ``Cache`` of :class:`TierLayer` over ``owner`` (what the verification forward runs on)."""
+    return Cache(layers=[TierLayer(owner, i) for i in range(n_layers)])
