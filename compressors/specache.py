@@ -20,10 +20,13 @@ the full KV, so a 1/8 budget there needs ``bits=1``.
 Each decode step the low-bit keys score every token (``q . k_hat``, maximized over the query group); the
 top-k tokens per KV head are fetched at full precision and replace their low-bit versions: one softmax runs
 over sinks + fetched tokens + window at full precision and over every other token's low-bit copy (the
-scoring logits are reused for the low-bit part). On the CPU in float32 both passes are the fused C kernels of
-:mod:`kvcomp.kernels.cpu_native`, which read the packed codes and dequantize in registers (scoring:
-``quant_key_logits``; attention: ``quant_attention`` given those logits, the fetched tokens' low-bit slots
-masked as empty); elsewhere torch dequantizes the keys and values once per step (``[B, H, L, D]`` transients).
+scoring logits are reused for the low-bit part). Both passes read the packed codes and dequantize in
+registers: on the CPU in float32 the C kernels of :mod:`kvcomp.kernels.cpu_native` (scoring:
+``quant_key_logits``; attention: ``quant_attention`` given those logits), on CUDA the Triton kernels
+(``quant_key_scores``, then ``quant_attention``; 2, 4 or 8 bits). The attention kernel is the quant
+compressor's: the low-bit copy is its quantized part (the fetched tokens' slots masked as empty) and sinks,
+fetched tokens and window its full-precision residual. Otherwise (1 bit on CUDA, bfloat16 on the CPU) torch
+dequantizes the keys and values once per step (``[B, H, L, D]`` transients).
 
 What is implemented of the speculation, precisely: the paper decodes a *speculative next token* alongside
 each output token (two positions per forward, the second attending over the low-bit cache) and uses its
@@ -48,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp import validation
+from kvcomp import kernels, validation
 from kvcomp.compressor import SENTINEL, CompressorError
 from kvcomp.kernels import cpu_native, quant_ref
 from kvcomp.ops import softcap, softmax, visible
@@ -110,12 +113,25 @@ class SpeCache(Retrieval):
     def summary_tensors(self, summary: LowBitCopy | None) -> list[torch.Tensor]:
         return [] if summary is None else summary.tensors()
 
+    def _path(self, q: torch.Tensor, s: LowBitCopy) -> str:
+        """Which kernels this step runs: ``"native"`` (the C kernels: float32 on the CPU), ``"triton"`` (CUDA,
+        2, 4 or 8 bits) or ``"torch"`` (dequantize, then attend)."""
+        if cpu_native.supports(q, s.value_scale, self.bits, s.key_scale):
+            return "native"
+        if kernels.backend_for(q) == "triton" and self.bits in quant_ref.BITS:
+            return "triton"
+        return "torch"
+
     def score(self, state: RetrievalState, qg: torch.Tensor, scaling: float) -> torch.Tensor:
-        # qg: [B, H, G, D] -> [B, H, L] over the low-bit keys; the scaled logits are kept for this step's attention.
-        s = state.summary
-        if cpu_native.supports_logits(qg, s.key_scale):  # one pass over the packed codes, nothing dequantized
-            logits = cpu_native.quant_key_logits(qg.reshape(qg.shape[0], -1, 1, qg.shape[-1]), s.key_codes, s.key_scale,
-                                                 s.key_zero, self.bits, scaling)
+        # qg: [B, H, G, D] -> [B, H, L] over the low-bit keys, read packed by the fused kernels; the native and
+        # torch paths keep the scaled logits [B, H, G, L] for this step's attention.
+        s, q = state.summary, qg.reshape(qg.shape[0], -1, 1, qg.shape[-1])
+        path = self._path(q, s)
+        if path == "triton":
+            state.scratch = None
+            return kernels.quant_key_scores(q, s.key_codes, s.key_scale, s.key_zero, self.bits, scaling, "max")
+        if path == "native":
+            logits = cpu_native.quant_key_logits(q, s.key_codes, s.key_scale, s.key_zero, self.bits, scaling)
         else:
             cdt = torch.promote_types(qg.dtype, torch.float32)
             keys = quant_ref.dequantize_keys(s.key_codes, s.key_scale, s.key_zero, self.bits, cdt).flatten(2, 3)
@@ -125,20 +141,14 @@ class SpeCache(Retrieval):
 
     def attend_decode(self, state, q, ctx, keys, values, positions, units):
         """One softmax over the full-precision tokens (sinks, fetched, window) and the low-bit copies of the
-        others, reusing the low-bit keys' logits of this step's scoring. On the CPU in float32 that is the fused
-        kernel of :mod:`kvcomp.kernels.cpu_native` (the values read packed); elsewhere torch dequantizes the
-        values once."""
+        others: the fused quantized-attention kernel (C on the CPU, reusing this step's scoring logits; Triton on
+        CUDA) with the full-precision tokens as its residual, or torch, which dequantizes the values once."""
         b, h = keys.shape[:2]
         s, logits_low = state.summary, state.scratch
         state.scratch = None
         if s is None:
             return super().attend_decode(state, q, ctx, keys, values, positions, units)
-        hq, d = q.shape[1], q.shape[-1]
-        qg = q.reshape(b, h, hq // h, d)
-        if logits_low is None:  # nothing was scored this step (no unit fits the budget)
-            self.score(state, qg, ctx.scaling)
-            logits_low, state.scratch = state.scratch, None
-        n_low = logits_low.shape[-1]
+        n_low = s.key_codes.shape[2] * s.key_codes.shape[3]
         # Fetched tokens replace their low-bit copies: their low-bit positions become empty slots (SENTINEL,
         # never visible under kvcomp.ops.visible); -1 units go to a spare slot.
         low_pos = torch.cat([self._positions(state, state.n_sink, state.boundary, q),
@@ -148,13 +158,20 @@ class SpeCache(Retrieval):
         v_fp = torch.cat([state.sink_v, values, state.recent_v], dim=2)
         pos_fp = torch.cat([self._positions(state, 0, state.n_sink, q), positions,
                             self._positions(state, state.boundary, state.length, q)], dim=2)
-        spec = ctx.spec
-        if cpu_native.supports(q, s.value_scale, self.bits, s.key_scale, k_fp):
-            return cpu_native.quant_attention(
+        spec, path = ctx.spec, self._path(q, s)
+        if path != "torch":
+            fused = cpu_native.quant_attention if path == "native" else kernels.quant_attention
+            extra = {"key_logits": logits_low} if path == "native" else {}
+            return fused(
                 q, ctx.query_positions, s.key_codes, s.key_scale, s.key_zero, s.value_codes, s.value_scale,
                 s.value_zero, low_pos.view(s.key_codes.shape[:4]), k_fp, v_fp, pos_fp, self.bits, ctx.scaling,
-                window=spec.window, softcap=spec.softcap, sinks=spec.sinks, key_logits=logits_low,
+                sentinel=SENTINEL, window=spec.window, softcap=spec.softcap, sinks=spec.sinks, **extra,
             ).to(q.dtype)
+        hq, d = q.shape[1], q.shape[-1]
+        qg = q.reshape(b, h, hq // h, d)
+        if logits_low is None:  # nothing was scored this step (no unit fits the budget)
+            self.score(state, qg, ctx.scaling)
+            logits_low, state.scratch = state.scratch, None
         cdt = torch.promote_types(q.dtype, torch.float32)
         logits_fp = torch.matmul(qg.to(cdt), k_fp.to(cdt).transpose(-1, -2)) * ctx.scaling  # [B, H, G, F]
         logits = softcap(torch.cat([logits_low, logits_fp], dim=-1), spec.softcap)

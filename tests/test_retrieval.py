@@ -283,24 +283,32 @@ def test_long_decode_moves_chunks_into_the_summary(tiny, make):
     assert stats["bytes_per_token"] > 0 and 0 <= stats["hit_rate"] <= 1 and 0 <= stats["recall"] <= 1
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["fused-c", "torch"])
-def test_specache_attends_fetched_tokens_in_place_of_their_low_bit_copies(native, monkeypatch):
-    """Both decode paths: the fused C kernel (scoring logits reused, values read packed) and torch."""
+@pytest.mark.parametrize("path", ["native", "triton", "torch"])
+def test_specache_attends_fetched_tokens_in_place_of_their_low_bit_copies(path, monkeypatch):
+    """Every decode path: the fused C kernels (scoring logits reused, values read packed), the Triton kernels
+    (under the interpreter on the CPU) and torch (dequantize, then attend)."""
+    import contextlib
+
+    from kvcomp import kernels
     from kvcomp.kernels import cpu_native, quant_ref
     from kvcomp.ops import dense_attention
 
-    monkeypatch.setenv("KVCOMP_NATIVE", native)
-    if native == "1" and cpu_native.load() is None:
+    monkeypatch.setenv("KVCOMP_NATIVE", "1" if path == "native" else "0")
+    if path == "native" and cpu_native.load() is None:
         pytest.skip("no C compiler")
-    calls = []
-    fused = cpu_native.quant_attention
-    monkeypatch.setattr(cpu_native, "quant_attention", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    if path == "triton":
+        pytest.importorskip("triton")
+    chosen = []
+    choose = SpeCache._path
+    monkeypatch.setattr(SpeCache, "_path", lambda self, *a: chosen.append(choose(self, *a)) or chosen[-1])
+    backend = kernels.use_backend("triton") if path == "triton" else contextlib.nullcontext()
     q, k, v, ctx = layer_inputs()
     c = SpeCache(bits=2, group_size=8, top_k=9, n_sink=4, window=8, tier="ram", speculative=False)
     state = c.prefill(0, q, k, v, ctx)
     query = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(5))
-    units = c._select(state, query.view(1, 2, 2, 16), 1.0)
-    out = c.attend(0, state, query, decode_ctx(199))
+    with backend:
+        units = c._select(state, query.view(1, 2, 2, 16), 1.0)
+        out = c.attend(0, state, query, decode_ctx(199))
     s, mid = state.summary, slice(4, state.boundary)
     k_low = quant_ref.dequantize_keys(s.key_codes, s.key_scale, s.key_zero, 2).flatten(2, 3)
     v_low = quant_ref.dequantize_values(s.value_codes, s.value_scale, s.value_zero, 2).flatten(2, 3)
@@ -312,7 +320,7 @@ def test_specache_attends_fetched_tokens_in_place_of_their_low_bit_copies(native
     values = torch.cat([v[:, :, :4], v_low, v[:, :, state.boundary:]], dim=2)
     expected, _ = dense_attention(query, keys, values, torch.tensor([[199]]), ctx.positions, AttentionSpec(16**-0.5))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert len(calls) == (native == "1")
+    assert chosen and set(chosen) == {path}
 
 
 @pytest.mark.parametrize("make", [FreeKV, SpeCache], ids=IDS)
