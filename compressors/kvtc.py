@@ -57,7 +57,7 @@ from kvcomp import kvtc_calibration as calibration
 from kvcomp import transform_coding as tc
 from kvcomp import validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
-from kvcomp.selection import TokenStore, compact
+from kvcomp.selection import TokenStore, compact, store_of_new
 
 _DECODE_TOKENS = 1024  # coded tokens reconstructed (as float32) at a time in attend()
 
@@ -187,7 +187,7 @@ class KVTC(Compressor):
         return self._flush(layer, state, compact(rest))
 
     def append(self, layer, state: KVTCState, k, v, ctx):
-        return self._flush(layer, state, compact(state.window.cat(TokenStore(k, v, ctx.positions.to(torch.int32)))))
+        return self._flush(layer, state, compact(state.window.cat(store_of_new(k, v, ctx))))
 
     def _flush(self, layer: int, state: KVTCState, window: TokenStore) -> KVTCState:
         """Code the oldest whole blocks of ``window`` that lie beyond the last ``self.window`` tokens."""

@@ -48,7 +48,7 @@ import torch
 from kvcomp import kernels, validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
 from kvcomp.kernels import quant_ref
-from kvcomp.selection import TokenStore, compact
+from kvcomp.selection import TokenStore, compact, store_of_new
 
 _DECODE_BLOCK = 4096  # tokens dequantized at a time in attend() on the CPU (a few MB: stays in cache)
 
@@ -160,7 +160,7 @@ class Quant(Compressor):
         return self._append(state, TokenStore(k, v, tokens.positions.masked_fill(is_sink, SENTINEL)))
 
     def append(self, layer, state: QuantState, k, v, ctx):
-        return self._append(state, TokenStore(k, v, ctx.positions.to(torch.int32)))
+        return self._append(state, store_of_new(k, v, ctx))
 
     def _append(self, state: QuantState, tokens: TokenStore) -> QuantState:
         # Real tokens first, in position order, per row and KV head; padding slots (SENTINEL) last.

@@ -293,11 +293,13 @@ def kvcomp_attention(module, query, key, value, attention_mask, scaling=None, dr
         if isinstance(attention_mask, KVCompMask)
         else torch.ones(b, n, dtype=torch.bool, device=query.device)
     )
+    # Known on the host without reading a tensor: the mask function found no padding, so every token is real.
+    all_real = not (isinstance(attention_mask, KVCompMask) and attention_mask.padding is not None)
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(n, device=query.device).view(1, n) + layer.next_position.view(-1, 1)
     position_ids = position_ids.expand(b, n).long()
-    out = layer.forward(query, position_ids, valid)
+    out = layer.forward(query, position_ids, valid, all_real)
     return out.transpose(1, 2).contiguous(), None
 
 

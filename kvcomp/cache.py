@@ -146,27 +146,30 @@ class CompressedLayer(CacheLayerMixin):
         self.seen_total, self.seen, self.next_position = snapshot.seen_total, snapshot.seen, snapshot.next_position
 
     # -- kvcomp's side ---------------------------------------------------------------------------------
-    def forward(self, query: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor):
-        """Attention for the parked K/V. query: [B, H_q, n, D]; position_ids, valid: [B, n]."""
+    def forward(self, query: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor, all_real: bool = False):
+        """Attention for the parked K/V. query: [B, H_q, n, D]; position_ids, valid: [B, n]; ``all_real``: every
+        token of the forward is real (known on the host)."""
         k, v = self.pending
         self.pending = None
         m = self.split
         if m is None:
-            return self._attend(query, k, v, position_ids, valid)
+            return self._attend(query, k, v, position_ids, valid, all_real)
         # Verified prefix first, then the snapshot lossless decoding rolls back to, then the drafted tokens.
         n = k.shape[-2]
         outs = []
         if m:
-            outs.append(self._attend(query[:, :, :m], k[:, :, :m], v[:, :, :m], position_ids[:, :m], valid[:, :m]))
+            outs.append(self._attend(query[:, :, :m], k[:, :, :m], v[:, :, :m], position_ids[:, :m], valid[:, :m],
+                                     all_real))
         snapshot = self.checkpoint()
         snapshot.seen_total -= n - m  # update() counted the whole forward already
         self.owner.snapshots[self.layer_idx] = snapshot
         if m < n:
-            outs.append(self._attend(query[:, :, m:], k[:, :, m:], v[:, :, m:], position_ids[:, m:], valid[:, m:]))
+            outs.append(self._attend(query[:, :, m:], k[:, :, m:], v[:, :, m:], position_ids[:, m:], valid[:, m:],
+                                     all_real))
         return torch.cat(outs, dim=2)
 
-    def context(self, query: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
-                ) -> LayerContext:
+    def context(self, query: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor,
+                all_real: bool = False) -> LayerContext:
         """Count the block's tokens and describe them to the compressor."""
         b, hkv, n, _ = k.shape
         self.seen = self.seen + valid.sum(1)
@@ -184,6 +187,7 @@ class CompressedLayer(CacheLayerMixin):
             next_position=self.next_position,
             token_ids=self.owner.block_ids if self.owner.block_ids is not None and
             tuple(self.owner.block_ids.shape) == (b, n) else None,
+            all_real=all_real,
         )
 
     def build(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> None:
@@ -191,10 +195,10 @@ class CompressedLayer(CacheLayerMixin):
         self.state = self.compressor.prefill(self.layer_idx, q, k, v, ctx)
         self.owner.layer_built(self, ctx)
 
-    def _attend(self, query, k, v, position_ids, valid):
+    def _attend(self, query, k, v, position_ids, valid, all_real: bool = False):
         if self.state is not None and k.shape[2] > 1 and self.layer_idx == 0:
             self._check_continues(position_ids, valid)
-        ctx = self.context(query, k, position_ids, valid)
+        ctx = self.context(query, k, position_ids, valid, all_real)
         if self.state is None:
             out, _ = dense_attention(query, k, v, position_ids, ctx.positions, self.spec)
             self.build(query, k, v, ctx)

@@ -106,6 +106,8 @@ class LayerContext:
     next_position: ``[B]`` position of each row's next token after this block (None: derived from the queries).
     token_ids: ``[B, n]`` input ids of this block (left-padded like ``positions``), when the model was called
     with ids (KVzip re-reads the prompt); None otherwise.
+    all_real: every token of this block is real (no padding), known on the host; False when it is not known.
+    A decode step uses it to skip checks that would read a tensor back (a host synchronisation per layer).
     """
 
     layer: int
@@ -120,6 +122,7 @@ class LayerContext:
     shared: SharedWork | None = None
     next_position: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
+    all_real: bool = False
 
     @property
     def scaling(self) -> float:

@@ -115,29 +115,31 @@ def attention_probs(qg: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, sp
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                    spec: AttentionSpec, need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    spec: AttentionSpec, need_weights: bool = False, all_visible: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``q`` over kept K/V, masked by positions (:func:`visible`), with the layer's softcap and sinks.
 
     q: [B, H_q, n, D]; k, v: [B, H_kv, L, D]; q_pos: [B, n]; k_pos: [B, H_kv, L] (SENTINEL = empty slot).
     Query heads are grouped per KV head (GQA) instead of repeating K/V. A query that sees no key at all (a
     padding query) attends to every slot rather than produce NaN; its output is never used.
+    ``all_visible``: the caller knows on the host that the single query (n == 1) of each row sees every slot (a
+    decode step over a store without empty slots on a full-attention layer); nothing is read back to check it.
     Returns out [B, H_q, n, D] and, if asked, weights [B, H_kv, G, n, L] (float32 probabilities).
     """
     b, hq, n, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
-    k_pos = k_pos.to(q_pos.dtype)
     if spec.plain and not need_weights and length:
         # Decode (n == 1) with every stored key visible, and an unpadded causal prefill, need no mask.
         if n == 1:
-            allowed = visible(q_pos.view(b, 1, 1), k_pos, spec.window)
-            if bool(allowed.all()):
+            if all_visible or bool(visible(q_pos.view(b, 1, 1), k_pos, spec.window).all()):
                 out = F.scaled_dot_product_attention(q.reshape(b, hkv, g, d), k, v, scale=spec.scaling)
                 return out.reshape(b, hq, n, d), None
         elif n == length and spec.window is None and not bool((k_pos >= SENTINEL).any()):
             if bool((k_pos == q_pos.view(b, 1, n)).all()):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scaling, enable_gqa=g > 1)
                 return out, None
+    k_pos = k_pos.to(q_pos.dtype)
     outs, weights = [], []
     for start in range(0, n, _QUERY_CHUNK):
         stop = min(n, start + _QUERY_CHUNK)

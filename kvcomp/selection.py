@@ -28,6 +28,13 @@ from kvcomp.ops import dense_attention, horizon
 from kvcomp.ragged import RaggedStore, ragged_attention
 
 
+def _spare(length: int) -> int:
+    """Spare slots a growable TokenStore of ``length`` tokens allocates when it must copy (decode appends then
+    write in place): 8, or 1/128 of a long store up to 64 (under 1% more memory, counted by nbytes), so a decode
+    step copies the store once every 8 to 64 steps instead of every step."""
+    return max(8, min(64, length // 128))
+
+
 @dataclass
 class TokenStore:
     """Kept tokens of one layer.
@@ -37,6 +44,16 @@ class TokenStore:
     float32 running statistics (H2O's accumulated attention); aux: a second such channel (InertiaKV's moving
     average; NaN for a token not scored yet). extra: per-layer tensors a method keeps with the layer (Expected
     Attention's query statistics). Everything here is resident and counted by :meth:`nbytes`.
+    all_real (host): every slot holds a real token (no SENTINEL), as far as the host knows without reading the
+    positions back; False means "not known". :func:`compact` sets it once it has checked, so a decode step over
+    an unpadded store reads nothing back (no host synchronisation per layer).
+
+    Growable storage: a store returned by :meth:`extend` holds its keys, values and positions as views of
+    buffers with spare slots (``_buffers``, see :func:`_spare`: not a dataclass field, so it is never stored, and a copy
+    made with ``dataclasses.replace`` does not inherit it), and the next :meth:`extend` writes the new tokens
+    there instead of copying the whole store. :meth:`replace` hands the buffers on (to a copy that takes the
+    store's place, or a rollback snapshot): of two stores sharing buffers only one may be extended, the other
+    being discarded. :meth:`nbytes` counts the buffers, spare slots included (the memory they take).
     """
 
     keys: torch.Tensor
@@ -45,13 +62,15 @@ class TokenStore:
     scores: torch.Tensor | None = None
     aux: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] | None = None
+    all_real: bool = False
 
     @property
     def valid(self) -> torch.Tensor:
         return self.positions < SENTINEL
 
     def tensors(self) -> list[torch.Tensor]:
-        fixed = [t for t in (self.keys, self.values, self.positions, self.scores, self.aux) if t is not None]
+        kvp = getattr(self, "_buffers", None) or (self.keys, self.values, self.positions)
+        fixed = [t for t in (*kvp, self.scores, self.aux) if t is not None]
         return fixed + list((self.extra or {}).values())
 
     def nbytes(self) -> int:
@@ -81,18 +100,50 @@ class TokenStore:
             torch.cat([self.keys, other.keys], dim=2),
             torch.cat([self.values, other.values], dim=2),
             torch.cat([self.positions, other.positions], dim=2),
-            scores, aux, self.extra,
+            scores, aux, self.extra, self.all_real and other.all_real,
         )
+
+    def extend(self, other: TokenStore) -> TokenStore:
+        """This store followed by ``other``'s tokens: written into this store's spare slots when it has enough
+        (and its tensors are still the views of its buffers), else copied once into new buffers with spare slots
+        (:func:`_spare`). Stores with per-token statistics (scores, aux) are concatenated instead (:meth:`cat`)."""
+        if any(t is not None for t in (self.scores, self.aux, other.scores, other.aux)):
+            return self.cat(other)
+        mine, new = (self.keys, self.values, self.positions), (other.keys, other.values, other.positions)
+        length, n = self.keys.shape[2], other.keys.shape[2]
+        buffers, start = getattr(self, "_buffers", None), getattr(self, "_start", 0)
+        if buffers is None or start + length + n > buffers[0].shape[2] or not all(
+                t.data_ptr() == buf[:, :, start:].data_ptr() and t.stride() == buf.stride()
+                for t, buf in zip(mine, buffers)):
+            buffers = tuple(t.new_empty(*t.shape[:2], length + n + _spare(length + n), *t.shape[3:]) for t in mine)
+            for buf, t in zip(buffers, mine):
+                buf[:, :, :length] = t
+            start = 0
+        end = start + length
+        for buf, t in zip(buffers, new):
+            buf[:, :, end:end + n] = t
+        out = TokenStore(*(buf[:, :, start:end + n] for buf in buffers), extra=self.extra,
+                         all_real=self.all_real and other.all_real)
+        out._buffers, out._start = buffers, start
+        return out
 
     def slice(self, start: int) -> TokenStore:
         def cut(t):
             return None if t is None else t[:, :, start:]
 
-        return TokenStore(cut(self.keys), cut(self.values), cut(self.positions), cut(self.scores), cut(self.aux),
-                          self.extra)
+        out = TokenStore(cut(self.keys), cut(self.values), cut(self.positions), cut(self.scores), cut(self.aux),
+                         self.extra, self.all_real)
+        if getattr(self, "_buffers", None) is not None:  # still views of the same buffers, further in
+            out._buffers, out._start = self._buffers, self._start + min(start, self.keys.shape[2])
+        return out
 
     def replace(self, **changes) -> TokenStore:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; it takes over the growable buffers when its tensors are still their views
+        (the store it replaces is not extended afterwards)."""
+        out = dataclasses.replace(self, **changes)
+        if getattr(self, "_buffers", None) is not None and not {"keys", "values", "positions"} & set(changes):
+            out._buffers, out._start = self._buffers, self._start
+        return out
 
     # The per-token layout of this store is the padded one already (RaggedStore converts between the two).
     def pad(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
@@ -130,7 +181,12 @@ def store_from_block(k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> Tok
     oldest = horizon(ctx.next_positions(), ctx.spec.window)
     if oldest is not None:
         positions = positions.masked_fill(positions < oldest.view(-1, 1, 1), SENTINEL)
-    return TokenStore(k, v, positions)
+    return TokenStore(k, v, positions, all_real=ctx.all_real and oldest is None)
+
+
+def store_of_new(k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> TokenStore:
+    """The tokens of a decode block as a store (to append; padding slots SENTINEL)."""
+    return TokenStore(k, v, ctx.positions.to(torch.int32), all_real=ctx.all_real)
 
 
 def forget_before(store, oldest: torch.Tensor):
@@ -151,10 +207,10 @@ def forget_before(store, oldest: torch.Tensor):
 
 def compact(store):
     """Drop padding slots (SENTINEL positions) that no row needs, keeping position order."""
-    if isinstance(store, RaggedStore):
+    if isinstance(store, RaggedStore) or store.all_real:
         return store  # holds no padding
     if store.positions.numel() == 0 or int(store.positions.max()) < SENTINEL:
-        return store  # every slot is a real token (one reduction: the common decode case)
+        return store.replace(all_real=True)  # checked once; later steps append real tokens without reading back
     valid = store.valid
     counts = valid.sum(-1)
     if bool((counts == valid.shape[-1]).all()):
@@ -271,7 +327,11 @@ class TokenSelection(Compressor):
         return compact(store) if nothing_evicted else self.select(store, scores, budget, ctx)
 
     def append(self, layer, state, k, v, ctx):
-        store = compact(state.cat(TokenStore(k, v, ctx.positions.to(torch.int32))))
+        # A store that only grows while decoding extends in place; one that evicts is rebuilt every step anyway,
+        # and a sliding layer's is bounded (it holds exactly what transformers' own sliding layer holds).
+        growable = isinstance(state, TokenStore) and not self.capabilities.decode_time and ctx.spec.window is None
+        grow = state.extend if growable else state.cat
+        store = compact(grow(store_of_new(k, v, ctx)))
         if not self.capabilities.decode_time or self.evict_after_attention:
             return store
         return self.evict(store, ctx)
@@ -290,8 +350,10 @@ class TokenSelection(Compressor):
         if isinstance(state, RaggedStore):
             out, weights = ragged_attention(q, state, ctx.query_positions, ctx.spec, need)
         else:
+            # A decode query sees every real slot of a full-attention layer (all stored positions precede it).
+            all_visible = state.all_real and ctx.spec.window is None and q.shape[2] == 1
             out, weights = dense_attention(q, state.keys, state.values, ctx.query_positions, state.positions,
-                                           ctx.spec, need)
+                                           ctx.spec, need, all_visible=all_visible)
         if need:
             self.observe(layer, state, weights, ctx)
         return out
@@ -305,9 +367,12 @@ class TokenSelection(Compressor):
         return state if oldest is None else forget_before(state, oldest)
 
     def checkpoint(self, state):
-        # append() builds new tensors (cat, gather) and never writes into the store it is given, so sharing
-        # them is a snapshot; only H2O's scores are updated in place (observe), so they are copied.
-        return dataclasses.replace(state, scores=None if state.scores is None else state.scores.clone())
+        # append() never writes into the tensors the store it is given shows (it builds new ones, or writes a
+        # growable store's spare slots), so sharing them is a snapshot; only H2O's scores are updated in place
+        # (observe), so they are copied. The snapshot shares the growable buffers: after a rollback only its own
+        # lineage goes on (the store it was taken from is discarded), so their spare slots have one writer.
+        scores = None if state.scores is None else state.scores.clone()
+        return state.replace(scores=scores) if isinstance(state, TokenStore) else dataclasses.replace(state, scores=scores)
 
     def materialize(self, state):
         if isinstance(state, RaggedStore):

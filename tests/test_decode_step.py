@@ -1,0 +1,150 @@
+"""A decode step reads nothing back from its tensors inside a layer (no host synchronisation per layer).
+
+Counted with a test double: a ``TorchFunctionMode`` that records every ``bool()``, ``int()``, ``float()``,
+``.item()``, ``.tolist()`` and ``.nonzero()`` called from kvcomp's own code (frames under ``kvcomp/`` or
+``compressors/``) while one decode step runs. Each is a device-to-host read: on a GPU it stalls the queue of
+kernels; on a CPU it still costs a reduction. The step of an unpadded batch over a store without empty slots must
+read nothing per layer: what remains is per forward (the cache's stored length, asked by transformers' mask code
+once per layer type), so models with 2 and 4 layers read the same count.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvcomp
+from kvcomp import CompressedCache, steps
+from kvcomp.selection import WindowStore
+from tests import methods
+
+ROOT = Path(kvcomp.__file__).resolve().parent.parent
+OURS = (str(ROOT / "kvcomp"), str(ROOT / "compressors"))
+READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "nonzero"}
+
+# Methods whose decode step is free of per-layer reads (decode-time eviction and retrieval still decide on the
+# host: their budgets and fetch lists are read back each step).
+SYNC_FREE = ["snapkv", "knorm", "keydiff", "expected_attention", "pyramidkv", "criticalkv", "quant"]
+
+
+class HostReads(TorchFunctionMode):
+    """Counts tensor-to-host reads made from kvcomp's code, by ``file:line``."""
+
+    def __init__(self):
+        super().__init__()
+        self.where: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READS:
+            frame = sys._getframe(1)
+            while frame is not None and "/torch/" in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is not None and frame.f_code.co_filename.startswith(OURS):
+                self.where[f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tiny_llama(layers: int):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
+
+
+@torch.inference_mode()
+def reads_in_a_decode_step(model, compressor, warm: int = 3) -> Counter[str]:
+    cache = CompressedCache(model, compressor)
+    rows = steps.Rows(1, "cpu")
+    ids = torch.randint(3, 120, (1, 120), generator=torch.Generator().manual_seed(1))
+    token = steps.prefill(model, cache, ids, rows).argmax(-1)
+    for _ in range(warm):  # the first steps check a store once (then it is known to hold no empty slot)
+        token = steps.decode_one(model, cache, token, rows).argmax(-1)
+    with HostReads() as reads:
+        steps.decode_one(model, cache, token, rows)
+    return reads.where
+
+
+@pytest.mark.parametrize("name", ["none-kvcomp", *SYNC_FREE])
+def test_a_decode_step_reads_nothing_back_per_layer(name):
+    def make():
+        return WindowStore() if name == "none-kvcomp" else methods.lossy(name)
+
+    two, four = (reads_in_a_decode_step(tiny_llama(n), make()) for n in (2, 4))
+    assert sum(four.values()) == sum(two.values()), f"reads that grow with the layers: {four - two}"
+    assert sum(two.values()) <= 1, f"host reads in one decode step: {dict(two)}"
+
+
+def test_the_counter_sees_a_host_read_in_a_layer():
+    """The double is not blind: StreamingLLM's decode-time eviction reads its budget back in every layer."""
+    two, four = (reads_in_a_decode_step(tiny_llama(n), methods.lossy("streaming_llm")) for n in (2, 4))
+    assert sum(four.values()) > sum(two.values()) > 1
+
+
+# -- growable stores -----------------------------------------------------------------------------------------
+def _store(n: int, start: int = 0, seed: int = 0):
+    from kvcomp.selection import TokenStore
+
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.arange(start, start + n, dtype=torch.int32).view(1, 1, n).expand(2, 3, n).contiguous()
+    return TokenStore(torch.randn(2, 3, n, 8, generator=g), torch.randn(2, 3, n, 8, generator=g), positions,
+                      all_real=True)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip((a.keys, a.values, a.positions), (b.keys, b.values, b.positions)))
+
+
+def test_extend_writes_in_place_until_its_spare_slots_run_out_and_equals_cat():
+    from kvcomp import selection
+
+    store = _store(10)
+    reference = store
+    buffers = []
+    for step in range(selection._spare(11) + 3):
+        token = _store(1, 10 + step, seed=step + 1)
+        store, reference = store.extend(token), reference.cat(token)
+        assert _same(store, reference) and store.all_real
+        buffers.append(store._buffers[0].data_ptr())
+    # One copy on the first append, one more when the spare slots ran out: every other step wrote in place.
+    assert len(set(buffers)) == 2
+    assert store.nbytes() == sum(b.numel() * b.element_size() for b in store._buffers)
+    assert store.nbytes() > reference.nbytes()  # the spare slots are counted: they are memory
+
+
+def test_a_rolled_back_snapshot_extends_in_place_over_the_discarded_drafts():
+    """Lossless decoding checkpoints a store, drafts on it, rolls back and appends the verified tokens: the
+    snapshot sees none of the drafts and reuses the spare slots (no copy), and a store copied with
+    ``dataclasses.replace`` (not a snapshot) owns no buffers, so it copies."""
+    import dataclasses
+
+    from kvcomp.selection import WindowStore
+
+    live = _store(10).extend(_store(1, 10, seed=1))  # now growable
+    snapshot = WindowStore().checkpoint(live)
+    drafted = live.extend(_store(1, 11, seed=2)).extend(_store(1, 12, seed=4))
+    assert _same(drafted, live.cat(_store(1, 11, seed=2)).cat(_store(1, 12, seed=4)))
+    assert _same(snapshot, _store(10).cat(_store(1, 10, seed=1)))  # the drafts are beyond what it shows
+    after_rollback = snapshot.extend(_store(1, 11, seed=3))
+    assert _same(after_rollback, snapshot.cat(_store(1, 11, seed=3)))
+    assert after_rollback._buffers[0].data_ptr() == live._buffers[0].data_ptr()
+    assert snapshot.nbytes() == live.nbytes()  # the same memory
+    copied = dataclasses.replace(live).extend(_store(1, 11, seed=5))
+    assert copied._buffers[0].data_ptr() != live._buffers[0].data_ptr()
+
+
+def test_a_sliced_store_keeps_extending_in_place():
+    """A sliding-window layer drops its oldest tokens (a slice) every step and appends one: still no copy."""
+    store = _store(10).extend(_store(1, 10, seed=1))
+    ptr = store._buffers[0].data_ptr()
+    reference = store
+    for step in range(5):
+        token = _store(1, 11 + step, seed=step + 2)
+        store, reference = store.slice(1).extend(token), reference.slice(1).cat(token)
+        assert _same(store, reference)
+    assert store._buffers[0].data_ptr() == ptr
