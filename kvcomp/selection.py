@@ -49,9 +49,9 @@ class TokenStore:
     an unpadded store reads nothing back (no host synchronisation per layer).
 
     Growable storage: a store returned by :meth:`extend` holds its keys, values and positions as views of
-    buffers with spare slots (``_buffers``, see :func:`_spare`: not a dataclass field, so it is never stored, and a copy
-    made with ``dataclasses.replace`` does not inherit it), and the next :meth:`extend` writes the new tokens
-    there instead of copying the whole store. :meth:`replace` hands the buffers on (to a copy that takes the
+    buffers with spare slots (:func:`_spare`); the buffers (``_buffers``) are not a dataclass field, so they are
+    never stored and a copy made with ``dataclasses.replace`` does not inherit them. The next :meth:`extend`
+    writes the new tokens into the spare slots instead of copying the whole store. :meth:`replace` hands the buffers on (to a copy that takes the
     store's place, or a rollback snapshot): of two stores sharing buffers only one may be extended, the other
     being discarded. :meth:`nbytes` counts the buffers, spare slots included (the memory they take).
     """
