@@ -30,9 +30,9 @@ from kvcomp.ragged import RaggedStore, ragged_attention
 
 def _spare(length: int) -> int:
     """Spare slots a growable TokenStore of ``length`` tokens allocates when it must copy (decode appends then
-    write in place): 8, or 1/128 of a long store up to 64 (under 1% more memory, counted by nbytes), so a decode
-    step copies the store once every 8 to 64 steps instead of every step."""
-    return max(8, min(64, length // 128))
+    write in place): 1/128 of the store, up to 64 (under 1% more memory, counted by nbytes), so a long store is
+    copied once every 8 to 64 steps instead of every step; a store under 128 tokens (cheap to copy) has none."""
+    return min(64, length // 128)
 
 
 @dataclass

@@ -103,11 +103,11 @@ def _same(a, b) -> bool:
 def test_extend_writes_in_place_until_its_spare_slots_run_out_and_equals_cat():
     from kvcomp import selection
 
-    store = _store(10)
+    store = _store(1100)
     reference = store
     buffers = []
-    for step in range(selection._spare(11) + 3):
-        token = _store(1, 10 + step, seed=step + 1)
+    for step in range(selection._spare(1101) + 3):
+        token = _store(1, 1100 + step, seed=step + 1)
         store, reference = store.extend(token), reference.cat(token)
         assert _same(store, reference) and store.all_real
         buffers.append(store._buffers[0].data_ptr())
@@ -125,26 +125,26 @@ def test_a_rolled_back_snapshot_extends_in_place_over_the_discarded_drafts():
 
     from kvcomp.selection import WindowStore
 
-    live = _store(10).extend(_store(1, 10, seed=1))  # now growable
+    live = _store(1100).extend(_store(1, 1100, seed=1))  # now growable
     snapshot = WindowStore().checkpoint(live)
-    drafted = live.extend(_store(1, 11, seed=2)).extend(_store(1, 12, seed=4))
-    assert _same(drafted, live.cat(_store(1, 11, seed=2)).cat(_store(1, 12, seed=4)))
-    assert _same(snapshot, _store(10).cat(_store(1, 10, seed=1)))  # the drafts are beyond what it shows
-    after_rollback = snapshot.extend(_store(1, 11, seed=3))
-    assert _same(after_rollback, snapshot.cat(_store(1, 11, seed=3)))
+    drafted = live.extend(_store(1, 1101, seed=2)).extend(_store(1, 1102, seed=4))
+    assert _same(drafted, live.cat(_store(1, 1101, seed=2)).cat(_store(1, 1102, seed=4)))
+    assert _same(snapshot, _store(1100).cat(_store(1, 1100, seed=1)))  # the drafts are beyond what it shows
+    after_rollback = snapshot.extend(_store(1, 1101, seed=3))
+    assert _same(after_rollback, snapshot.cat(_store(1, 1101, seed=3)))
     assert after_rollback._buffers[0].data_ptr() == live._buffers[0].data_ptr()
     assert snapshot.nbytes() == live.nbytes()  # the same memory
-    copied = dataclasses.replace(live).extend(_store(1, 11, seed=5))
+    copied = dataclasses.replace(live).extend(_store(1, 1101, seed=5))
     assert copied._buffers[0].data_ptr() != live._buffers[0].data_ptr()
 
 
 def test_a_sliced_store_keeps_extending_in_place():
     """A sliding-window layer drops its oldest tokens (a slice) every step and appends one: still no copy."""
-    store = _store(10).extend(_store(1, 10, seed=1))
+    store = _store(1100).extend(_store(1, 1100, seed=1))
     ptr = store._buffers[0].data_ptr()
     reference = store
     for step in range(5):
-        token = _store(1, 11 + step, seed=step + 2)
+        token = _store(1, 1101 + step, seed=step + 2)
         store, reference = store.slice(1).extend(token), reference.slice(1).cat(token)
         assert _same(store, reference)
     assert store._buffers[0].data_ptr() == ptr
