@@ -8,37 +8,38 @@ tokens stay in full precision. Whenever the window reaches ``window + block_size
 ``block_size`` become one coded block: keys lose their RoPE rotation (positions from ``ctx.positions``, the
 model's ``inv_freq``/``attention_scaling`` from the artifact), keys and values are projected on their layer's
 and KV head's PCA basis, each group of ``group_size`` components is quantized with the quantizer option (a
-stored width of 0, 2, 4 or 8 bits and a calibrated step) the DP chose, and the block is zstd-coded into a
-``bytes`` object (layout in :mod:`kvcomp.transform_coding`).
-Prefill codes every whole block beyond the window at once.
+stored width of 0, 2, 4 or 8 bits and a calibrated step) the DP chose, and the block's codes are appended to
+the live codes (below). Prefill codes every whole block beyond the window at once.
 
 Rate. ``compression_factor`` is the target for the coded tokens over the uncompressed cache in the run's
 dtype: the DP (:func:`kvcomp.kvtc_calibration.allocate`) gives keys and values of each KV head
 ``head_dim * dtype_bits / compression_factor`` bits per token each, counted as the calibrated entropy of the
-codes, and minimises the calibrated squared error. The measured ``memory_factor`` is lower at short contexts
-(sinks and window are uncompressed) and differs from the target by how far zstd is from the entropy.
+codes, and minimises the calibrated squared error. The measured stored factor is lower at short contexts
+(sinks and window are uncompressed) and differs from the target by how far zstd is from the entropy; the live
+factor is lower still (fixed widths instead of entropy).
 
-Bytes. ``nbytes()`` counts the coded blocks (header, positions, codes: ``len()`` of each ``bytes``), the
-full-precision sink and window tensors (K, V, int32 positions), the ``[B, H_kv]`` int64 count of coded
-tokens and, in a state loaded from a store, its decoded codes. The calibration artifact (bases, means, steps) is shared by every sequence of the model:
-:meth:`KVTC.basis_bytes` reports it once, and it is not in ``nbytes()``.
+Live and stored forms. A working state holds the coded tokens' codes at their fixed widths, packed token by
+token (:func:`kvcomp.transform_coding.pack_live`: 5 ternary or 2 15-level codes a byte, 8-bit codes as they
+are): a decode step reads them as they are, with no entropy decoding. The entropy-coded blocks are the form a
+store keeps (:meth:`KVTC.stored_form`, one zstd-coded ``bytes`` per block, layout in
+:mod:`kvcomp.transform_coding`); :meth:`KVTC.restored` turns them back into the live codes, bit-identical.
+So KVTC has two memory factors: ``memory_factor`` counts the live bytes (what decoding holds and reads),
+:meth:`KVTC.stored_nbytes` the entropy-coded ones (what a saved context or an offloaded cache costs); the
+``compression_factor`` target is a rate of the stored form.
 
-Decoding. :meth:`KVTC.attend` never materializes the whole reconstructed cache. It entropy-decodes all coded
-blocks of a layer into uint8 codes (``[2, B, H_kv, T, S]``, a quarter of float32 K/V; one zstd call per KV head
-reads across all its frames, one table gather per segment unpacks them) and turns ``_DECODE_TOKENS`` (1024)
-tokens at a time into floats: keys by one batched matmul of the codes with the basis (dequantization folded
-in, ``codes @ weight + offset``) and RoPE from a cos/sin table indexed by position; values stay coefficients,
-the online softmax applies its probabilities to them and projects the ``[B, H_kv, G * n, S]`` result once
-(cheap for a few queries, instead of reconstructing every value). Then the sinks and the window. Nothing
-decoded is kept between steps, so each decode step entropy-decodes the whole coded cache: on SmolLM2-135M at
-4K tokens (one thread, shared CPU) a step takes about 0.5-0.6 s against 1.1-1.4 s before this decoding
-and 0.14 s uncompressed; zstd's per-frame cost (~27K small frames a step) and the keys' matmul are its floor.
+Bytes. ``nbytes()`` counts the live codes, their int32 positions, the full-precision sink and window tensors
+(K, V, int32 positions) and the ``[B, H_kv]`` int64 count of coded tokens (and, in a stored form, its blocks:
+``len()`` of each ``bytes``). The calibration artifact (bases, means, steps) is shared by every sequence of
+the model: :meth:`KVTC.basis_bytes` reports it once, and it is not in ``nbytes()``.
+
+Decoding. :meth:`KVTC.attend` never materializes the whole reconstructed cache: ``_DECODE_TOKENS`` (1024)
+coded tokens at a time are unpacked (one table gather per width) and turned into floats: keys by one batched
+matmul of the codes with the basis (dequantization folded in, ``codes @ weight + offset``) and RoPE from a
+cos/sin table indexed by position; values stay coefficients, the online softmax applies its probabilities to
+them and projects the ``[B, H_kv, G * n, S]`` result once (cheap for a few queries, instead of reconstructing
+every value). Then the sinks and the window. The keys' matmul is the floor of a step: the PCA basis is fitted
+to keys without RoPE, so every key is rebuilt (``S x D`` multiply-adds) before its rotation.
 :meth:`KVTC.materialize` (for composition after KVTC and for tests) does reconstruct everything at once.
-
-Storage. The coded blocks are KVTC's stored form: a saved context (:mod:`kvcomp.contexts`) keeps them as the
-bytes they are, and :meth:`KVTC.restored` entropy-decodes them once when the context is loaded; the loaded
-state keeps the uint8 codes (``KVTCState.decoded``, counted by ``nbytes()``) and decode steps only turn them
-into floats, decoding only blocks coded after the load.
 
 Composition. Token selection before KVTC (``Compose(SnapKV(0.5), KVTC())``) hands over each KV head's kept
 tokens with their original positions; KVTC codes each row and KV head separately, so heads holding different
@@ -47,6 +48,7 @@ tokens are fine (that is why the PCA bases are per KV head, see :mod:`kvcomp.kvt
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,6 +59,7 @@ from kvcomp import kvtc_calibration as calibration
 from kvcomp import transform_coding as tc
 from kvcomp import validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
+from kvcomp.kernels import cpu_native
 from kvcomp.selection import TokenStore, compact, store_of_new
 
 _DECODE_TOKENS = 1024  # coded tokens reconstructed (as float32) at a time in attend()
@@ -64,26 +67,33 @@ _DECODE_TOKENS = 1024  # coded tokens reconstructed (as float32) at a time in at
 
 @dataclass
 class KVTCState:
-    """sinks, window: full-precision ``TokenStore`` s (``[B, H_kv, S|W, D]``); blocks[b][h]: coded blocks of
-    row b and KV head h, oldest first, each ``block_size`` tokens; coded_tokens: ``[B, H_kv]`` int64.
+    """sinks, window: full-precision ``TokenStore`` s (``[B, H_kv, S|W, D]``); the coded tokens, live:
+    positions ``[B, H_kv, T]`` int32 (``SENTINEL`` in a hole: the slots of a block that a row and KV head had no
+    tokens for when others coded one), key_codes ``[B, H_kv, T, W_k]`` and value_codes ``[B, H_kv, T, W_v]``
+    uint8 (:func:`kvcomp.transform_coding.pack_live` with each KV head's allocation, padded to the widest
+    head); coded_tokens ``[B, H_kv]`` int64; last_position: the largest coded position (so the RoPE table is
+    sized without reading a tensor); uniform: every row and KV head holds the same positions.
 
-    decoded: None, or (after :meth:`KVTC.restored`: a context loaded from a store) the entropy-decoded blocks,
-    ``(positions [B, H_kv, T] int64, codes [2, B, H_kv, T, S] uint8, blocks decoded per row and head)``, kept so
-    that decode steps do not entropy-decode the whole layer again; blocks coded later are decoded as they come.
-    Its bytes are resident and counted by :meth:`KVTC.nbytes`."""
+    blocks: None while working; in the stored form (:meth:`KVTC.stored_form`) ``blocks[b][h]`` holds one
+    entropy-coded block per ``block_size`` slots (``b""`` for a hole) and the live tensors are empty."""
 
     layer: int
     sinks: TokenStore
-    blocks: list[list[list[bytes]]]
-    coded_tokens: torch.Tensor
     window: TokenStore
-    decoded: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    coded_tokens: torch.Tensor
+    positions: torch.Tensor
+    key_codes: torch.Tensor
+    value_codes: torch.Tensor
+    last_position: int = -1
+    uniform: bool = True
+    blocks: list[list[list[bytes]]] | None = None
 
     def coded_bytes(self) -> int:
-        return sum(len(f) for row in self.blocks for head in row for f in head)
+        """Bytes of the entropy-coded blocks (0 while working: see :meth:`KVTC.stored_nbytes`)."""
+        return 0 if self.blocks is None else sum(len(f) for row in self.blocks for head in row for f in head)
 
-    def decoded_bytes(self) -> int:
-        return 0 if self.decoded is None else sum(t.numel() * t.element_size() for t in self.decoded[:2])
+    def live_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.positions, self.key_codes, self.value_codes))
 
 
 @dataclass
@@ -156,13 +166,23 @@ class KVTC(Compressor):
             scaled = basis * step[..., None]  # [H, 2, C, D]: dequantization is (code - level) * step
             offset = mean - torch.einsum("hkc,hkcd->hkd", level, scaled)
             weight = torch.zeros(*bits.shape[:2], int((bits > 0).sum(-1).max()), basis.shape[-1])
+            orders = [[tc.coding_order(bits[h, kind].numpy()) for kind in range(2)] for h in range(bits.shape[0])]
             for h, kind in np.ndindex(*bits.shape[:2]):
-                order = torch.from_numpy(tc.coding_order(bits[h, kind].numpy()))
+                order = torch.from_numpy(orders[h][kind])
                 weight[h, kind, : len(order)] = scaled[h, kind, order]
+            live = tc.live_segments(bits.numpy())  # [H][kind] -> (width, components) of the live codes
+            widths = tuple(max(tc.live_width(head[kind]) for head in live) for kind in range(2))
             self._codecs[key] = dict(basis=cal.basis[layer].to(device), mean=cal.mean[layer].to(device),
                                      step=step.to(device), level=level.to(device), bits=bits,
                                      inv_freq=cal.inv_freq.to(device), weight=weight.to(device),
-                                     offset=offset.to(device), segments=tc.block_segments(bits.numpy()))
+                                     offset=offset.to(device), segments=tc.block_segments(bits.numpy()),
+                                     live=live, widths=widths, orders=orders,
+                                     counts=torch.tensor([[[dict(segs).get(b, 0) for b in tc.BITS[1:]] for segs in head]
+                                                          for head in live]),
+                                     key_weight=weight[:, 0].contiguous().to(device),
+                                     key_offset=offset[:, 0].contiguous().to(device),
+                                     value_weight=weight[:, 1].contiguous().to(device),
+                                     value_offset=offset[:, 1].contiguous().to(device))
         return self._codecs[key]
 
     def rope_table(self, length: int, device: torch.device | str):
@@ -182,8 +202,10 @@ class KVTC(Compressor):
         sinks = TokenStore(*(t[:, :, :s].clone() for t in (store.keys, store.values, store.positions)))
         rest = TokenStore(store.keys[:, :, s:], store.values[:, :, s:], store.positions[:, :, s:])
         b, h = k.shape[:2]
-        state = KVTCState(layer, sinks, [[[] for _ in range(h)] for _ in range(b)],
-                          torch.zeros(b, h, dtype=torch.long, device=k.device), rest)
+        codec = self.codec(layer, k.dtype, k.device)
+        empty = [torch.zeros(b, h, 0, w, dtype=torch.uint8, device=k.device) for w in codec["widths"]]
+        state = KVTCState(layer, sinks, rest, torch.zeros(b, h, dtype=torch.long, device=k.device),
+                          torch.zeros(b, h, 0, dtype=torch.int32, device=k.device), *empty)
         return self._flush(layer, state, compact(rest))
 
     def append(self, layer, state: KVTCState, k, v, ctx):
@@ -199,17 +221,24 @@ class KVTC(Compressor):
         codec = self.codec(layer, window.keys.dtype, window.keys.device)
         ck, cv, pos = self._encode(codec, window.keys[:, :, :take], window.values[:, :, :take],
                                    window.positions[:, :, :take])
-        bits = codec["bits"].numpy()
-        for b, h in zip(*np.nonzero(n_blocks.cpu().numpy())):
-            widths = [(codes, tc.segment_widths(bits[h, kind])) for kind, codes in enumerate((ck, cv))]
-            for j in range(int(n_blocks[b, h])):
-                sl = slice(j * self.block_size, (j + 1) * self.block_size)
-                segments = [(w, codes[b, h, sl][:, cols]) for codes, ws in widths for w, cols in ws]
-                state.blocks[b][h].append(tc.encode_block(pos[b, h, sl], segments))
+        hole = np.arange(take) >= (n_blocks.cpu().numpy() * self.block_size)[..., None]  # [B, H, take]
+        pos = np.where(hole, SENTINEL, pos)
+        device = window.keys.device
+        packed = []
+        for kind, codes in enumerate((ck, cv)):
+            codes = np.where(hole[..., None], 0, codes)
+            packed.append(torch.stack([tc.pack_live(torch.from_numpy(codes[:, h][..., codec["orders"][h][kind]]),
+                                                    codec["live"][h][kind], codec["widths"][kind])
+                                       for h in range(codes.shape[1])], 1).to(device))
+        state.positions = torch.cat([state.positions, torch.from_numpy(pos.astype(np.int32)).to(device)], dim=-1)
+        state.key_codes = torch.cat([state.key_codes, packed[0]], dim=2)
+        state.value_codes = torch.cat([state.value_codes, packed[1]], dim=2)
+        state.last_position = max(state.last_position, int(pos[~hole].max()))
+        state.uniform = state.uniform and bool((pos == pos[:1, :1]).all())
         state.coded_tokens = state.coded_tokens + n_blocks * self.block_size
         # Drop the coded slots from the window: shift each row and head left by its own coded count.
         length = window.positions.shape[-1]
-        index = torch.arange(length, device=window.keys.device).view(1, 1, -1) + (n_blocks * self.block_size)[..., None]
+        index = torch.arange(length, device=device).view(1, 1, -1) + (n_blocks * self.block_size)[..., None]
         state.window = compact(window.gather(index.clamp(max=length - 1), index < length))
         return state
 
@@ -224,55 +253,83 @@ class KVTC(Compressor):
             codes.append(tc.quantize(y, codec["step"][:, kind, None], codec["level"][:, kind, None]).cpu().numpy())
         return codes[0], codes[1], positions.cpu().numpy()
 
+    def _unpacked(self, codec, state: KVTCState, kind: int, sl: slice) -> torch.Tensor:
+        """The live codes of ``kind`` (0 keys, 1 values) in slots ``sl``: ``[B, H, t, S]`` uint8, coding order."""
+        packed = (state.key_codes, state.value_codes)[kind][:, :, sl]
+        stored = codec["weight"].shape[2]
+        return torch.stack([tc.unpack_live(packed[:, h], codec["live"][h][kind], stored)
+                            for h in range(packed.shape[1])], 1)
+
     def _decoded_chunks(self, layer: int, state: KVTCState, dtype: torch.dtype, per_chunk: int):
-        """Yield ``(keys, value coefficients, positions)`` of ``per_chunk`` tokens at a time: keys
+        """Yield ``(keys, value coefficients, positions)`` of ``per_chunk`` coded tokens at a time: keys
         ``[B, H, T, D]`` float32 (reconstructed, RoPE re-applied), values ``[B, H, T, S]`` float32 with
-        :meth:`reconstruct_values` the values they stand for, positions ``[B, H, T]`` (SENTINEL where a row
-        or head has fewer blocks). The whole layer is entropy-decoded at once (uint8 codes, a quarter of
-        float32 K/V: few large zstd and numpy calls); only ``per_chunk`` tokens at a time become floats."""
-        device = state.window.keys.device
+        :meth:`reconstruct_values` the values they stand for, positions ``[B, H, T]`` (``SENTINEL`` in holes),
+        all from the live codes."""
+        if state.blocks is not None:
+            raise CompressorError("this KVTC state is in its stored form; KVTC.restored() makes it attendable.")
+        device = state.positions.device
         codec = self.codec(layer, dtype, device)
-        pos, codes = self._codes(state, codec, device)
-        cos_table, sin_table = self.rope_table(int(pos.masked_fill(pos >= SENTINEL, 0).max()) + 1, device)
-        for start in range(0, pos.shape[-1], per_chunk):
-            p, coeffs = pos[..., start:start + per_chunk], codes[:, :, :, start:start + per_chunk].float()
+        cos_table, sin_table = self.rope_table(state.last_position + 1, device)
+        for start in range(0, state.positions.shape[-1], per_chunk):
+            sl = slice(start, start + per_chunk)
+            p = state.positions[..., sl]
+            coeffs = [self._unpacked(codec, state, kind, sl).float() for kind in (0, 1)]
             keys = torch.matmul(coeffs[0], codec["weight"][:, 0]) + codec["offset"][:, 0, None]  # [B, H, T, D]
-            index = p.masked_fill(p >= SENTINEL, 0)
-            if bool((index == index[:1, :1]).all()):  # the usual case: all rows and heads hold the same tokens
+            index = p.masked_fill(p >= SENTINEL, 0).long()
+            if state.uniform:  # the usual case: all rows and heads hold the same tokens
                 index = index[0, 0]
             cos, sin = (t.index_select(0, index.reshape(-1)).view(*index.shape, -1) for t in (cos_table, sin_table))
             yield tc.rotate(keys, cos, sin), coeffs[1], p
 
-    def _codes(self, state: KVTCState, codec, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions ``[B, H, T]`` and codes ``[2, B, H, T, S]`` of every coded block: from ``state.decoded``
-        (extended by the blocks coded since) when the state keeps them, else entropy-decoded now."""
-        counts = {len(blocks) for row in state.blocks for blocks in row}
-        n_max = max(counts)
-        if state.decoded is not None and len(counts) == 1:
-            pos, codes, done = state.decoded
-            if done < n_max:
-                fresh = [[blocks[done:] for blocks in row] for row in state.blocks]
-                p, c = tc.decode_blocks(fresh, codec["segments"], n_max - done)
-                pos = torch.cat([pos, torch.from_numpy(p).to(device)], dim=-1)
-                codes = torch.cat([codes, torch.from_numpy(c).to(device)], dim=3)
-                state.decoded = (pos, codes, n_max)
-            return pos, codes
-        pos, codes = tc.decode_blocks(state.blocks, codec["segments"], n_max)
-        return torch.from_numpy(pos).to(device), torch.from_numpy(codes).to(device)
+    # -- stored form ---------------------------------------------------------------------------------------
+    def stored_form(self, layer, state: KVTCState) -> KVTCState:
+        """The state as a store keeps it: the live codes entropy-coded into blocks (one per ``block_size``
+        slots of a row and KV head, ``b""`` for a hole), the live tensors empty. The live state is unchanged."""
+        if state.blocks is not None:
+            return state
+        codec = self.codec(layer, state.window.keys.dtype, state.positions.device)
+        pos = state.positions.cpu().numpy()
+        codes = [self._unpacked(codec, state, kind, slice(None)).cpu().numpy() for kind in (0, 1)]
+        b, h, t = pos.shape
+        n = self.block_size
+        blocks = [[[] for _ in range(h)] for _ in range(b)]
+        for i, j in np.ndindex(b, h):
+            for start in range(0, t, n):
+                p = pos[i, j, start:start + n]
+                if p[0] >= SENTINEL:
+                    blocks[i][j].append(b"")
+                    continue
+                segments, at = [], [0, 0]
+                for kind, bits, c in codec["segments"][j]:
+                    segments.append((bits, codes[kind][i, j, start:start + n, at[kind]:at[kind] + c]))
+                    at[kind] += c
+                blocks[i][j].append(tc.encode_block(p, segments))
+        return dataclasses.replace(state, positions=state.positions[:, :, :0].clone(),
+                                   key_codes=state.key_codes[:, :, :0].clone(),
+                                   value_codes=state.value_codes[:, :, :0].clone(), blocks=blocks)
+
+    def stored_nbytes(self, state: KVTCState) -> int:
+        return self.nbytes(self.stored_form(state.layer, state))["device"]
 
     def restored(self, layer, state: KVTCState, convert: bool = True) -> KVTCState:
-        """A state read back from a store holds the coded blocks as they were stored: with ``convert``,
-        entropy-decode them once here (when every row and head holds the same number of blocks, the usual case)
-        instead of at every decode step. Output is unchanged (the same codes); resident bytes grow by the
-        decoded codes (uint8, a quarter of float32 K/V)."""
-        counts = {len(blocks) for row in state.blocks for blocks in row}
-        if convert and state.decoded is None and len(counts) == 1 and max(counts) > 0:
-            device = state.window.keys.device
-            codec = self.codec(layer, state.window.keys.dtype, device)
-            pos, codes = tc.decode_blocks(state.blocks, codec["segments"], max(counts))
-            state.decoded = (torch.from_numpy(pos).to(device), torch.from_numpy(codes).to(device), max(counts))
-        return state
+        """A state read back from a store holds its entropy-coded blocks: decode them into the live codes (the
+        only form a decode step attends), bit-identical to the state the in-process cache had. ``convert`` does
+        not apply: the stored form is never attended."""
+        if state.blocks is None:
+            return state
+        device = state.positions.device
+        codec = self.codec(layer, state.window.keys.dtype, device)
+        slots = len(state.blocks[0][0])
+        if not slots:
+            return dataclasses.replace(state, blocks=None)
+        pos, codes = tc.decode_blocks(state.blocks, codec["segments"], slots)
+        packed = [torch.stack([tc.pack_live(torch.from_numpy(codes[kind][:, j]), codec["live"][j][kind],
+                                            codec["widths"][kind]) for j in range(pos.shape[1])], 1).to(device)
+                  for kind in (0, 1)]
+        return dataclasses.replace(state, positions=torch.from_numpy(pos.astype(np.int32)).to(device),
+                                   key_codes=packed[0], value_codes=packed[1], blocks=None)
 
+    # -- decoding ------------------------------------------------------------------------------------------
     def reconstruct_values(self, layer: int, coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Value coefficients ``[B, H, T, S]`` from :meth:`_decoded_chunks` -> values ``[B, H, T, D]`` float32."""
         codec = self.codec(layer, dtype, coeffs.device)
@@ -282,27 +339,48 @@ class KVTC(Compressor):
         """Everything reconstructed at once (for composition and tests; attend() does not call this)."""
         dtype = state.window.keys.dtype
         parts = [(state.sinks.keys, state.sinks.values, state.sinks.positions)]
-        if int(state.coded_tokens.max()):
-            for k, c, p in self._decoded_chunks(state.layer, state, dtype, per_chunk=1 << 62):
-                v = self.reconstruct_values(state.layer, c, dtype)
-                parts.append((k.to(dtype), v.to(dtype), p.to(torch.int32)))
+        for k, c, p in self._decoded_chunks(state.layer, state, dtype, per_chunk=1 << 62):
+            v = self.reconstruct_values(state.layer, c, dtype)
+            parts.append((k.to(dtype), v.to(dtype), p))
         parts.append((state.window.keys, state.window.values, state.window.positions))
         return tuple(torch.cat([p[i] for p in parts], dim=2) for i in range(3))
 
     def attend(self, layer, state: KVTCState, q, ctx):
+        codec = self.codec(layer, state.window.keys.dtype, state.window.keys.device)
+        if state.positions.shape[-1] and cpu_native.supports_kvtc(q, state.window.keys, state.sinks.keys):
+            return self._attend_native(codec, state, q, ctx)
         acc = tc.OnlineSoftmax(q, ctx.query_positions, state.window.keys.shape[1], ctx.spec)
         acc.step(state.sinks.keys, state.sinks.values, state.sinks.positions)
-        if int(state.coded_tokens.max()):
-            codec = self.codec(layer, state.window.keys.dtype, state.window.keys.device)
+        if state.positions.shape[-1]:
             for k, c, p in self._decoded_chunks(layer, state, state.window.keys.dtype, _DECODE_TOKENS):
                 acc.step(k, c, p, codec["weight"][:, 1], codec["offset"][:, 1])
         acc.step(state.window.keys, state.window.values, state.window.positions)
         return acc.result()
 
+    def _attend_native(self, codec, state: KVTCState, q, ctx):
+        """The fused C kernel (float32 on the CPU): one pass over the packed codes, each key rebuilt once for
+        its query group, the values' probabilities applied to their codes and projected once."""
+        if state.blocks is not None:
+            raise CompressorError("this KVTC state is in its stored form; KVTC.restored() makes it attendable.")
+        cos, sin = self.rope_table(state.last_position + 1, q.device)
+        residual = [torch.cat([a, b], dim=2) for a, b in zip(
+            (state.sinks.keys, state.sinks.values, state.sinks.positions),
+            (state.window.keys, state.window.values, state.window.positions))]
+        spec = ctx.spec
+        return cpu_native.kvtc_attention(
+            q, ctx.query_positions, state.key_codes, state.value_codes, state.positions, codec["counts"],
+            codec["key_weight"], codec["key_offset"], codec["value_weight"], codec["value_offset"], cos, sin,
+            *residual, spec.scaling, spec.window, spec.softcap, spec.sinks).to(q.dtype)
+
+    def checkpoint(self, state: KVTCState) -> KVTCState:
+        """A shallow copy: appending never writes into a state's tensors (the window and the live codes are
+        rebuilt by ``torch.cat``), so the snapshot's tensors stay as they are."""
+        return dataclasses.replace(state)
+
     def nbytes(self, state: KVTCState) -> dict[str, int]:
-        dense = state.sinks.nbytes() + state.window.nbytes()
+        dense = state.sinks.nbytes() + state.window.nbytes() + state.live_bytes()
         coded = state.coded_bytes() + state.coded_tokens.numel() * state.coded_tokens.element_size()
-        return {"device": dense + coded + state.decoded_bytes(), "host": 0, "disk": 0}
+        return {"device": dense + coded, "host": 0, "disk": 0}
 
     def stored_tokens(self, state: KVTCState) -> torch.Tensor:
         return state.sinks.valid.sum(-1) + state.coded_tokens + state.window.valid.sum(-1)

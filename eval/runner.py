@@ -421,6 +421,7 @@ class _Batch:
     resident_bytes: dict[str, int]
     full_bytes: int
     lossless: dict[str, Any] | None = None
+    stored_bytes: int | None = None  # what a saved context keeps (Compressor.stored_nbytes); None: the resident
 
 
 def _generate(
@@ -466,6 +467,7 @@ def _batch_result(tokenizer, parts, rows: list[list[int]], stats: dict, compress
         resident_bytes=resident,
         full_bytes=full,
         lossless=stats["lossless"].as_dict() if "lossless" in stats else None,
+        stored_bytes=cache.stored_bytes() if compressor is not None and "lossless" not in stats else None,
     )
 
 
@@ -796,6 +798,8 @@ def _records(task_samples: Task, batch: list[Sample], out: _Batch, config: dict,
             "memory_factor": out.full_bytes / out.resident_bytes["device"]
             if out.resident_bytes.get("device")
             else math.inf,
+            # KVTC: its entropy-coded form; every other method stores what it holds (the memory_factor).
+            "stored_factor": out.full_bytes / out.stored_bytes if out.stored_bytes else None,
             "kept_tokens": out.kept_tokens[i],
             "batch_size": len(batch),
             "template": "chat" if s.chat_template else "plain",
@@ -880,6 +884,7 @@ def summarize(records: Iterable[dict]) -> dict[str, Any]:
         "tasks": sorted({r["task"] for r in records}),
         "score": _mean(r["score"] for r in records),
         "memory_factor": _mean(r["memory_factor"] for r in records),
+        "stored_factor": _mean(r.get("stored_factor") or r["memory_factor"] for r in records),
         "kept_tokens": _mean(r.get("kept_tokens") for r in records),
         "context_length": _mean(r.get("context_length") for r in records),
         "exact_match_rate": (len(with_fidelity) - len(diverged)) / len(with_fidelity)

@@ -20,7 +20,8 @@ uncompressed cache through kvcomp's own path (a ``CompressedCache`` whose layers
 step compressors run). Ratios are against both at the same context in the same process, because timings on a
 shared machine drift between runs: ``decode_speedup`` / ``prefill_slowdown`` against ``none``,
 ``decode_speedup_kvcomp`` / ``prefill_slowdown_kvcomp`` against ``none-kvcomp``; ``memory_factor`` against
-``none``'s bytes. Every model call goes through :mod:`kvcomp.steps` (``prefill``, ``decode_one``).
+``none``'s bytes (the live cache), ``stored_factor`` the same for what a saved context keeps
+(``Compressor.stored_nbytes``: KVTC's entropy-coded blocks; the live bytes for every other method). Every model call goes through :mod:`kvcomp.steps` (``prefill``, ``decode_one``).
 
 ``kvcomp bench --contexts 1024 2048 4096 8192 --out runs/bench`` writes bench.csv, bench.json (settings,
 machine, bandwidth) and bench.png there and prints the table.
@@ -192,9 +193,11 @@ def decode_step(model, run: dict[str, Any], compressor, device: str) -> None:
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    from kvcomp import CompressedCache
     from kvcomp.generation import cache_stats
 
-    resident, full, _ = cache_stats(run["cache"])
+    cache = run["cache"]
+    resident, full, _ = cache_stats(cache)
     steps = sorted(run["step_s"])
     row = {k: run[k] for k in ("prefill_s", "prefill_tok_s", "peak_rss_mb", "peak_rise_mb")}
     row.update(
@@ -204,6 +207,8 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         # methods keep the full KV in a slower tier as well, reported apart.
         kv_bytes=resident.get("device", 0),
         kv_slow_tier_bytes=resident.get("host", 0) + resident.get("disk", 0),
+        # What a saved context keeps (KVTC: its entropy-coded blocks; the live codes are kv_bytes).
+        kv_stored_bytes=cache.stored_bytes() if isinstance(cache, CompressedCache) else resident.get("device", 0),
         full_kv_bytes=full,
         decode_peak_rise_mb=run.get("decode_rise", float("nan")) / 2**20 if steps else float("nan"),
     )
@@ -265,6 +270,7 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
                 row[f"decode_speedup{suffix}"] = ref["decode_ms_per_token"] / row["decode_ms_per_token"]
                 row[f"prefill_slowdown{suffix}"] = row["prefill_s"] / ref["prefill_s"]
             row["memory_factor"] = metrics.fast_tier_factor(base["none"]["kv_bytes"], row["kv_bytes"])
+            row["stored_factor"] = metrics.fast_tier_factor(base["none"]["kv_bytes"], row["kv_stored_bytes"])
             rows.append(row)
             log(f"{context:>6} {row['compressor']:32s} decode {row['decode_ms_per_token']:7.1f} ms/token "
                 f"(x{row['decode_speedup']:.2f} none, x{row['decode_speedup_kvcomp']:.2f} none-kvcomp)  "
@@ -305,6 +311,7 @@ COLUMNS = [
     ("decode_speedup_kvcomp", "decode x none-kvcomp", "{:.2f}"),
     ("kv_bytes", "KV MiB", None),
     ("memory_factor", "memory factor", "{:.2f}"),
+    ("stored_factor", "stored factor", "{:.2f}"),
     ("peak_rise_mb", "prefill RSS rise MiB", "{:.0f}"),
     ("decode_peak_rise_mb", "decode step rise MiB", "{:.1f}"),
     ("roofline_ms", "roofline ms", "{:.1f}"),

@@ -7,7 +7,8 @@ Each task runs through :func:`eval.runner.run_grid`: one prefill per sample shar
 resumable run directory per method under ``--out/L<length>/<task>/<mode>/``, and the uncompressed reference
 shared, so fidelity (exact match, agreement, first divergence) is computed once.
 ``rate_distortion-L<length>-<mode>.csv`` holds one row per task and method plus an ``all`` row per method
-(every record of the method pooled): score, measured memory_factor, fidelity, and seconds per sample:
+(every record of the method pooled): score, measured memory_factor (the live cache) and stored_factor (what a
+saved context keeps: KVTC's entropy-coded blocks, for the others the same), fidelity, and seconds per sample:
 ``prefill_s`` (the shared prefill plus the method's own compression), ``compress_s`` (compression alone) and
 ``decode_s``. A quant point is bits or ``bits:n_sink`` (``4:0``: the first tokens quantized too, KIVI as
 published; the default keeps 4 attention sinks in full precision). A KVTC point is a target factor or ``factor:window`` (its full-precision recent window; the
@@ -31,8 +32,8 @@ from kvcomp import load_model
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
 QUANT_BITS = (8, 4, 2)
 KVTC_FACTORS = (4, 8, 12, 16, "12:64")  # 12:64: factor 12 with a 64-token window, ~8.5x measured at 4K
-COLUMNS = ["task", "method", "setting", "score", "memory_factor", "exact_match", "agreement", "first_divergence",
-           "prefill_s", "compress_s", "decode_s", "n", "context_tokens"]
+COLUMNS = ["task", "method", "setting", "score", "memory_factor", "stored_factor", "exact_match", "agreement",
+           "first_divergence", "prefill_s", "compress_s", "decode_s", "n", "context_tokens"]
 
 
 def configs(artifact: str, quant_bits=QUANT_BITS, kvtc_factors=KVTC_FACTORS):
@@ -89,7 +90,8 @@ def _row(task: str, method: str, setting: str, records: list[dict]) -> dict:
     s = summarize(records)
     compress = [r["compress_seconds"] for r in records if r.get("compress_seconds") is not None]
     return {"task": task, "method": method, "setting": setting, "score": s["score"],
-            "memory_factor": s["memory_factor"], "exact_match": s["exact_match_rate"], "agreement": s["agreement"],
+            "memory_factor": s["memory_factor"], "stored_factor": s["stored_factor"],
+            "exact_match": s["exact_match_rate"], "agreement": s["agreement"],
             "first_divergence": s["mean_first_divergence"], "prefill_s": s["prefill_seconds"],
             "compress_s": sum(compress) / len(compress) if compress else None,
             "decode_s": s["decode_seconds"], "n": s["n"], "context_tokens": s["context_length"]}

@@ -307,6 +307,15 @@ class CompressedCache(Cache):
     def memory_factor(self) -> float:
         return metrics.fast_tier_factor(self.full_bytes(), self.resident_bytes())
 
+    def stored_bytes(self) -> int:
+        """Bytes of every layer's stored form (``Compressor.stored_nbytes``: what a saved context keeps; KVTC's
+        entropy-coded blocks), against the live :meth:`resident_bytes`."""
+        return sum(layer.compressor.stored_nbytes(layer.state) for layer in self.layers if layer.state is not None)
+
+    def stored_factor(self) -> float:
+        """The memory factor of the stored form (``full_bytes() / stored_bytes()``)."""
+        return metrics.fast_tier_factor(self.full_bytes(), self.stored_bytes())
+
     def kept_tokens(self) -> list[torch.Tensor]:
         """Per layer, ``[B, H_kv]`` tokens stored."""
         return [layer.compressor.stored_tokens(layer.state) for layer in self.layers if layer.state is not None]

@@ -14,6 +14,7 @@ holding that layer's KV in whatever form it stores it; the framework (``kvcomp.c
                                                all layers at once (KVzip: re-read the context, global top-k)
 ``checkpoint(state)`` / ``rollback(state, s)``  snapshot a state / restore it (undo what was appended since)
 ``nbytes(state)``                              resident bytes per tier
+``stored_form(layer, state)``                  the form a store keeps (optional; KVTC entropy-codes here)
 ``restored(layer, state, convert)``            a state read back from a store, before it serves (optional)
 =============================================  ===============================================================
 
@@ -208,12 +209,24 @@ class Compressor:
     def nbytes(self, state: Any) -> dict[str, int]:
         raise NotImplementedError
 
+    def stored_form(self, layer: int, state: Any) -> Any:
+        """What a store (:mod:`kvcomp.contexts`) keeps of ``state``, leaving ``state`` unchanged;
+        :meth:`restored` turns it back into a state bit-identical to ``state``. Default: the state itself
+        (KVTC entropy-codes its live codes)."""
+        return state
+
+    def stored_nbytes(self, state: Any) -> int:
+        """Bytes of :meth:`stored_form` (before the store's own framing): the stored memory factor's
+        denominator. Default: the resident bytes of every tier."""
+        return sum(self.nbytes(state).values())
+
     def restored(self, layer: int, state: Any, convert: bool = True) -> Any:
-        """The state, ready to serve, after it came back from a store (:mod:`kvcomp.contexts`) bit-identical to
-        the one :meth:`prefill` built: what a live state has beyond its stored form is restarted here
-        (retrieval: the prefetch for the first step). ``convert``: a method whose stored form is not its
-        fastest working form may convert it, once, changing resident bytes but never the output (KVTC decodes
-        its coded blocks); ``False`` keeps the state exactly as built in-process. Default: unchanged."""
+        """The state, ready to serve, after it came back from a store (:mod:`kvcomp.contexts`) in its
+        :meth:`stored_form`, bit-identical to the one :meth:`prefill` built: what a live state has beyond its
+        stored form is rebuilt here (retrieval: the prefetch for the first step; KVTC: its live codes).
+        ``convert``: a method whose stored form is not its fastest working form may convert it further, once,
+        changing resident bytes but never the output; ``False`` keeps the state exactly as built in-process.
+        Default: unchanged."""
         return state
 
     def stored_tokens(self, state: Any) -> torch.Tensor:
@@ -355,3 +368,12 @@ class Compose(Compressor):
 
     def stored_tokens(self, state):
         return self._last().stored_tokens(state)
+
+    def stored_form(self, layer, state):
+        return self._last().stored_form(layer, state)
+
+    def stored_nbytes(self, state):
+        return self._last().stored_nbytes(state)
+
+    def restored(self, layer, state, convert=True):
+        return self._last().restored(layer, state, convert)

@@ -14,8 +14,9 @@ What an entry holds (:mod:`kvcomp.store`, one entry per context and compressor):
 
 * ``state/<i>``: layer ``i``'s compressor state in its own form, as a safetensors blob (tensors plus a JSON tree
   of the state's dataclasses): token selection, the kept K/V and their int32 positions; quant, the packed codes,
-  scales and full-precision sinks and window; KVTC, its entropy-coded blocks as stored bytes (decoded once when
-  the context is loaded, :meth:`compressors.kvtc.KVTC.restored`, not at every decode step); retrieval, the
+  scales and full-precision sinks and window; KVTC, its entropy-coded blocks as stored bytes
+  (:meth:`compressors.kvtc.KVTC.stored_form`; turned back into its live codes once when the context is
+  loaded, :meth:`compressors.kvtc.KVTC.restored`); retrieval, the
   resident summary, sinks and window (its full KV is ``full/<i>``); no compressor, the layer's K/V as
   transformers' own cache holds them;
 * ``full/<i>`` (``full_kv=True``, and always for retrieval): the layer's full K/V, head-major, for lossless
@@ -318,8 +319,9 @@ class SavedContext:
 
 
 def _layer_record(layer) -> dict[str, Any]:
+    state = layer.state if layer.state is None else layer.compressor.stored_form(layer.layer_idx, layer.state)
     return {"seen_total": layer.seen_total, "seen": layer.seen, "next_position": layer.next_position,
-            "kv_shape": list(layer.kv_shape), "dtype": layer.dtype, "state": layer.state}
+            "kv_shape": list(layer.kv_shape), "dtype": layer.dtype, "state": state}
 
 
 def _dynamic_record(layer) -> dict[str, Any]:
@@ -473,7 +475,7 @@ class LoadedContext:
     device: torch.device
     load_seconds: float
     bytes_read: int
-    convert: bool = True  # Compressor.restored(convert=...): KVTC decodes its blocks once (faster, more bytes)
+    convert: bool = True  # Compressor.restored(convert=...): a faster working form than the in-process one
     _blobs: list[bytes] = field(repr=False, default_factory=list)
     _first: Any = field(repr=False, default=None)
 
@@ -564,7 +566,7 @@ def load_context(model, key: str, store: str | Store | None = None, compressor: 
     against its digest), then a ready cache is built. The full KV (if stored) is not read here: lossless
     decoding and retrieval read it from the store as they need it. Raises :mod:`kvcomp.store` errors; nothing
     half-loaded is returned. ``convert=False`` keeps every state exactly in the form the in-process cache has
-    (KVTC then entropy-decodes at every step, as it does in-process, and reports the same resident bytes)."""
+    (no method converts further today: every state comes back as the in-process cache had it)."""
     from kvcomp.attention import check_supported
 
     check_supported(model)

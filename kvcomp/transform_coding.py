@@ -237,23 +237,28 @@ def block_segments(bits: np.ndarray) -> list[list[tuple[int, int, int]]]:
 
 def decode_blocks(blocks: list[list[list[bytes]]], segments: list[list[tuple[int, int, int]]], n_blocks: int):
     """Inverse of :func:`encode_block` for the blocks of one layer: ``blocks[b][h]`` (at most ``n_blocks``,
-    each of ``n`` tokens) whose KV head ``h`` codes the :func:`block_segments` ``segments[h]``.
+    each of ``n`` tokens; an empty ``bytes`` is a hole: ``n`` slots holding no token) whose KV head ``h``
+    codes the :func:`block_segments` ``segments[h]``.
 
-    Returns positions ``[B, H, n_blocks * n]`` int64 (``SENTINEL`` past a row and head's last block) and
-    codes ``[2, B, H, n_blocks * n, S]`` uint8 (keys, values), the ``S`` columns the stored components in
-    :func:`coding_order`, zero-padded to the most any KV head stores. The frames of all blocks of a KV head
-    are decompressed by one call (zstd reads across frames); unpacking is one table gather per segment."""
+    Returns positions ``[B, H, n_blocks * n]`` int64 (``SENTINEL`` in holes and past a row and head's last
+    block) and codes ``[2, B, H, n_blocks * n, S]`` uint8 (keys, values; zero where no token is), the ``S``
+    columns the stored components in :func:`coding_order`, zero-padded to the most any KV head stores. The
+    frames of all blocks of a KV head are decompressed by one call (zstd reads across frames); unpacking is
+    one table gather per segment."""
     rows, heads = len(blocks), len(blocks[0])
-    n = next(struct.unpack_from("<H", f)[0] for row in blocks for head in row for f in head)
+    n = next(struct.unpack_from("<H", f)[0] for row in blocks for head in row for f in head if f)
     stored = max(sum(c for kind, _, c in head if kind == k) for head in segments for k in range(2))
     positions = np.full((rows, heads, n_blocks, n), SENTINEL, dtype=np.int64)
     codes = np.zeros((2, rows, heads, n_blocks, n, stored), dtype=np.uint8)
     for h in range(heads):
         sizes = [-(-n * c // _PER_BYTE[b]) for _, b, c in segments[h]]
         header = _block_header(len(sizes))
-        frames, firsts = [], np.full((rows, n_blocks), -1, dtype=np.int64)
+        frames, firsts, slots = [], np.full((rows, n_blocks), -1, dtype=np.int64), []
         for i in range(rows):
             for j, block in enumerate(blocks[i][h]):
+                if not block:
+                    continue
+                slots.append(i * n_blocks + j)
                 _, contiguous, value, *_ = header.unpack_from(block)
                 at = header.size
                 if contiguous:
@@ -269,10 +274,9 @@ def decode_blocks(blocks: list[list[list[bytes]]], segments: list[list[tuple[int
         if len(raw) != len(frames) * sum(sizes):
             raise ValueError(f"corrupt KVTC blocks: {len(raw)} decoded bytes, expected {len(frames) * sum(sizes)}")
         raw = np.frombuffer(raw, dtype=np.uint8).reshape(len(frames), sum(sizes))
-        counts = [len(blocks[i][h]) for i in range(rows)]
-        if counts != [n_blocks] * rows:  # rows and heads with fewer blocks leave zeros (at SENTINEL positions)
+        if len(slots) != rows * n_blocks:  # holes, and rows and heads with fewer blocks, leave zeros
             full = np.zeros((rows * n_blocks, raw.shape[1]), dtype=np.uint8)
-            full[np.concatenate([i * n_blocks + np.arange(c) for i, c in enumerate(counts)])] = raw
+            full[slots] = raw
             raw = full
         raw = raw.reshape(rows, n_blocks, -1)
         at, filled = 0, [0, 0]
@@ -281,6 +285,66 @@ def decode_blocks(blocks: list[list[list[bytes]]], segments: list[list[tuple[int
                 _unpack(raw[..., at:at + size], b)[..., : n * c].reshape(rows, n_blocks, c, n).transpose(0, 1, 3, 2))
             at, filled[kind] = at + size, filled[kind] + c
     return positions.reshape(rows, heads, -1), codes.reshape(2, rows, heads, n_blocks * n, stored)
+
+
+# -- live codes ----------------------------------------------------------------------------------------------
+# The form a working cache attends: every token's codes at their fixed width, packed into bytes token by token
+# (the same base-(2m + 1) packing as a block's segments: 5 ternary codes or 2 15-level codes a byte), so a
+# decode step reads them without entropy decoding. Entropy-coded blocks are the stored form.
+def live_segments(bits: np.ndarray) -> list[list[list[tuple[int, int]]]]:
+    """``[H][kind]`` -> ``(bits, components)`` of each stored width in :func:`coding_order`, for an allocation
+    ``bits`` ``[H, 2, C]``."""
+    return [[[(b, int((bits[h, kind] == b).sum())) for b in BITS[1:] if (bits[h, kind] == b).any()]
+             for kind in range(2)] for h in range(bits.shape[0])]
+
+
+def live_width(segments: list[tuple[int, int]]) -> int:
+    """Bytes per token of one KV head's codes of one kind in the live form."""
+    return sum(-(-c // _PER_BYTE[b]) for b, c in segments)
+
+
+def pack_live(codes: torch.Tensor, segments: list[tuple[int, int]], width: int) -> torch.Tensor:
+    """Codes ``[..., S]`` uint8 in :func:`coding_order` (``S`` at least the components ``segments`` store) ->
+    ``[..., width]`` uint8, each segment's codes ``_PER_BYTE`` to a byte (zero bytes pad to ``width``)."""
+    out = torch.zeros(*codes.shape[:-1], width, dtype=torch.uint8, device=codes.device)
+    at = put = 0
+    for b, c in segments:
+        k, base = _PER_BYTE[b], 2 * max_level(b) + 1
+        x = codes[..., at:at + c].to(torch.int32)
+        nb = -(-c // k)
+        if k > 1:
+            x = torch.nn.functional.pad(x, (0, nb * k - c)).view(*x.shape[:-1], nb, k)
+            x = (x * (base ** torch.arange(k, dtype=torch.int32, device=x.device))).sum(-1)
+        out[..., put:put + nb] = x.to(torch.uint8)
+        at, put = at + c, put + nb
+    return out
+
+
+_LIVE_DIGITS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _digit_table(bits: int, device: torch.device) -> torch.Tensor:
+    key = (bits, str(device))
+    if key not in _LIVE_DIGITS:
+        k, base = _PER_BYTE[bits], 2 * max_level(bits) + 1
+        table = torch.stack([(torch.arange(256) // base**i) % base for i in range(k)], 1).to(torch.uint8)
+        _LIVE_DIGITS[key] = table.to(device)
+    return _LIVE_DIGITS[key]
+
+
+def unpack_live(packed: torch.Tensor, segments: list[tuple[int, int]], stored: int) -> torch.Tensor:
+    """Inverse of :func:`pack_live`: ``[..., width]`` -> codes ``[..., stored]`` uint8 (zeros past the
+    components ``segments`` store)."""
+    out = torch.zeros(*packed.shape[:-1], stored, dtype=torch.uint8, device=packed.device)
+    at = put = 0
+    for b, c in segments:
+        nb = -(-c // _PER_BYTE[b])
+        x = packed[..., at:at + nb]
+        if b != 8:
+            x = _digit_table(b, packed.device)[x.long()].flatten(-2)
+        out[..., put:put + c] = x[..., :c]
+        at, put = at + nb, put + c
+    return out
 
 
 # -- attention -----------------------------------------------------------------------------------------------

@@ -200,9 +200,11 @@ def test_reconstruction_error_falls_as_the_budget_rises(tiny, artifact):
         compressor = KVTC(compression_factor=factor, artifact=artifact, window=16, block_size=32)
         cache, _ = prefill(model, ids, compressor)
         errors.append(relative_error(compressor, cache.layers[1].state, reference, 1))
-        factors.append(cache.memory_factor())
+        factors.append((cache.memory_factor(), cache.stored_factor()))
     assert all(a[0] > b[0] and a[1] > b[1] for a, b in zip(errors, errors[1:])), errors
-    assert factors == sorted(factors, reverse=True) and factors[0] > 2 * factors[-1]
+    live, stored = zip(*factors)
+    assert stored == tuple(sorted(stored, reverse=True)) and stored[0] > 2 * stored[-1]
+    assert live == tuple(sorted(live, reverse=True))
     assert errors[-1][0] < 1e-3 and errors[0][0] > 0.1
 
 
@@ -212,21 +214,72 @@ def test_nbytes_is_the_bytes_that_exist(tiny, artifact):
     compressor = KVTC(compression_factor=8, artifact=artifact, window=window, block_size=block)
     cache, _ = prefill(model, random_ids(n, 5), compressor)
     n_coded = (n - 4 - window) // block * block
-    total = 0
-    for layer in cache.layers:
+    total = stored_total = 0
+    for i, layer in enumerate(cache.layers):
         state = layer.state
-        frames = [f for row in state.blocks for head in row for f in head]
-        assert all(isinstance(f, bytes) for f in frames) and len(frames) == 2 * n_coded // block
+        assert state.blocks is None and state.positions.shape == (1, 2, n_coded)
+        widths = compressor.codec(i, torch.float32)["widths"]
+        assert state.key_codes.shape == (1, 2, n_coded, widths[0]) and state.value_codes.shape[-1] == widths[1]
         assert state.coded_tokens.tolist() == [[n_coded, n_coded]]
         dense = [state.sinks.keys, state.sinks.values, state.sinks.positions, state.window.keys,
                  state.window.values, state.window.positions, state.coded_tokens]
-        expected = sum(len(f) for f in frames) + sum(t.numel() * t.element_size() for t in dense)
+        dense_bytes = sum(t.numel() * t.element_size() for t in dense)
+        live = [state.positions, state.key_codes, state.value_codes]
+        expected = dense_bytes + sum(t.numel() * t.element_size() for t in live)
         assert compressor.nbytes(state) == {"device": expected, "host": 0, "disk": 0}
+        stored = compressor.stored_form(i, state)  # entropy-coded blocks, the live state untouched
+        frames = [f for row in stored.blocks for head in row for f in head]
+        assert all(isinstance(f, bytes) and f for f in frames) and len(frames) == 2 * n_coded // block
+        assert compressor.stored_nbytes(state) == dense_bytes + sum(len(f) for f in frames)
+        assert state.blocks is None and compressor.nbytes(state)["device"] == expected
         assert state.window.positions.shape[-1] == n - 4 - n_coded and state.sinks.positions.shape[-1] == 4
         assert compressor.stored_tokens(state).tolist() == [[n, n]]
         total += expected
-    assert cache.resident_bytes()["device"] == total
+        stored_total += compressor.stored_nbytes(state)
+    assert cache.resident_bytes()["device"] == total and cache.stored_bytes() == stored_total
     assert compressor.basis_bytes() == sum(t.numel() * t.element_size() for t in compressor.calibration.tensors.values())
+
+
+def test_live_codes_are_the_quantized_codes_at_their_fixed_widths():
+    rng = np.random.default_rng(1)
+    bits = rng.choice(np.array(tc.BITS), size=(3, 2, 20))  # [H, 2, C]
+    bits[:, :, 0] = 2
+    levels = tc.max_level(torch.from_numpy(bits)).numpy()
+    for h, kind in np.ndindex(3, 2):
+        order = tc.coding_order(bits[h, kind])
+        codes = rng.integers(0, 2 * levels[h, kind] + 1, size=(7, 20))
+        codes = torch.from_numpy(codes[:, order].astype(np.uint8))
+        segments = tc.live_segments(bits)[h][kind]
+        width = tc.live_width(segments)  # 5 ternary or 2 15-level codes a byte, 8-bit codes whole
+        assert width == sum(-(-int((bits[h, kind] == b).sum()) // k) for b, k in ((2, 5), (4, 2), (8, 1)))
+        packed = tc.pack_live(codes, segments, width + 3)
+        assert packed.shape == (7, width + 3) and not packed[:, width:].any()
+        unpacked = tc.unpack_live(packed, segments, len(order) + 2)
+        assert torch.equal(unpacked[:, :len(order)], codes) and not unpacked[:, len(order):].any()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_stored_form_round_trips_bit_identically(tiny, artifact, batch):
+    model, _ = tiny
+    compressor = Compose(SnapKV(compression_ratio=0.5), KVTC(compression_factor=8, artifact=artifact, window=8,
+                                                           block_size=8))  # per-head positions
+    lengths = [150, 97, 60][:batch]
+    ids = torch.zeros(batch, max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):  # left-padded rows of different lengths
+        ids[r, -n:], mask[r, -n:] = random_ids(n, 10 + r)[0], 1
+    cache = CompressedCache(model, compressor)
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    holes = 0
+    for i, layer in enumerate(cache.layers):
+        state = layer.state
+        holes += int((state.positions >= SENTINEL).sum())
+        back = compressor.restored(i, compressor.stored_form(i, state))
+        for name in ("positions", "key_codes", "value_codes", "coded_tokens"):
+            assert torch.equal(getattr(back, name), getattr(state, name)), name
+        assert back.blocks is None and back.last_position == state.last_position and back.uniform == state.uniform
+    assert (holes > 0) == (batch > 1)  # rows of different lengths code different block counts: holes
 
 
 def test_entropy_coding_beats_the_raw_quantized_size(tiny, artifact):
@@ -236,7 +289,7 @@ def test_entropy_coding_beats_the_raw_quantized_size(tiny, artifact):
     for i, layer in enumerate(cache.layers):
         bits = compressor.codec(i, torch.float32)["bits"]  # [H, 2, D]
         raw = int(layer.state.coded_tokens[0, 0]) * (int(bits.sum()) // 8 + 4 * bits.shape[0])  # codes + int32 pos
-        assert layer.state.coded_bytes() < 0.95 * raw
+        assert compressor.stored_form(i, layer.state).coded_bytes() < 0.95 * raw
 
 
 # -- decoding ------------------------------------------------------------------------------------------------
@@ -284,8 +337,46 @@ def test_blockwise_attend_equals_dense_attention_on_materialized_cache(tiny, art
         torch.testing.assert_close(out, expected, rtol=0, atol=5e-5)  # float32 sums in another order
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("spec", [AttentionSpec(0.25), AttentionSpec(0.25, window=40), AttentionSpec(0.25, softcap=1.5),
+                                  AttentionSpec(0.25, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))],
+                         ids=["plain", "window", "softcap", "sinks"])
+def test_live_codes_attend_as_dequantize_then_attend(tiny, artifact, monkeypatch, native, spec):
+    """The C kernel and the torch path over the packed live codes equal dense attention over the reconstructed
+    cache, on left-padded rows of different lengths (holes in the live codes) and 1 or 3 queries."""
+    from kvcomp.kernels import cpu_native
+
+    model, _ = tiny
+    if not native:
+        monkeypatch.setenv("KVCOMP_NATIVE", "0")
+    calls = []
+    kernel = cpu_native.kvtc_attention
+    monkeypatch.setattr(cpu_native, "kvtc_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    compressor = Compose(SnapKV(compression_ratio=0.5), KVTC(compression_factor=8, artifact=artifact, window=8,
+                                                           block_size=8))
+    lengths = [180, 97, 60]
+    ids, mask = torch.zeros(3, 180, dtype=torch.long), torch.zeros(3, 180, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        ids[r, -n:], mask[r, -n:] = random_ids(n, 20 + r)[0], 1
+    cache = CompressedCache(model, compressor)
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    state = cache.layers[1].state
+    assert bool((state.positions >= SENTINEL).any())
+    keys, values, positions = compressor.materialize(state)
+    last = positions.long().masked_fill(positions >= SENTINEL, -1).amax((1, 2))  # [3]
+    for q_pos in ((last + 1)[:, None], torch.stack([last - 30, last - 5, last + 1], 1)):
+        q = torch.randn(3, 4, q_pos.shape[1], 16, generator=torch.Generator().manual_seed(q_pos.shape[1]))
+        ctx = dataclasses.replace(_ctx(torch.zeros(3, 2, q_pos.shape[1], dtype=torch.long), q_pos), spec=spec)
+        out = compressor.attend(1, state, q, ctx)
+        expected, _ = dense_attention(q, keys, values, q_pos, positions, spec)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=5e-5)  # float32 sums in another order
+    assert len(calls) == (2 if native else 0)
+
+
 def test_decoding_reconstructs_one_chunk_at_a_time(tiny, artifact, monkeypatch):
     model, _ = tiny
+    monkeypatch.setenv("KVCOMP_NATIVE", "0")  # the torch path (the C kernel holds one token at a time)
     monkeypatch.setattr(kvtc_module, "_DECODE_TOKENS", 64)
     compressor = KVTC(compression_factor=8, artifact=artifact, window=16, block_size=16)
     cache, out = prefill(model, random_ids(250, 8), compressor)
@@ -420,10 +511,11 @@ def test_real_kv_codes_below_raw_size_and_near_the_target(embedded, tmp_path):
         coded = raw = 0
         for i, layer in enumerate(cache.layers):
             bits = compressor.codec(i, torch.float32)["bits"]  # [H, 2, D]
-            coded += layer.state.coded_bytes()
+            coded += compressor.stored_form(i, layer.state).coded_bytes()
             raw += 512 * (int(bits.sum()) // 8 + 4 * bits.shape[0])  # packed codes + int32 positions
         assert coded < 0.9 * raw
-        assert 0.7 * factor < cache.memory_factor() < 1.3 * factor  # entropy-coded rate near the DP's target
+        assert 0.7 * factor < cache.stored_factor() < 1.3 * factor  # entropy-coded rate near the DP's target
+        assert 0.25 * factor < cache.memory_factor() < cache.stored_factor()  # the live codes: fixed widths
         errors.append(relative_error(compressor, cache.layers[15].state, reference, 15))
     assert errors[1][0] < errors[0][0] and errors[1][1] < errors[0][1]
 

@@ -119,6 +119,59 @@ static void group_logits(const float* restrict qb, const float* restrict s, cons
     }
 }
 
+/* One query row's logits over T slots, the first T - R already scaled and masked: the R residual
+   (full-precision) keys' logits (visible range [lo, hi]), soft-capping, and a softmax with the head's sink
+   logit (NULL: none). */
+static void residual_softmax(float* restrict row, int64_t T, int64_t R, const float* restrict qm,
+                             const float* restrict rk, const int32_t* restrict rpos, int64_t D, int64_t hi,
+                             int64_t lo, float scaling, float softcap, const float* sink) {
+    const int64_t L = T - R;
+    for (int64_t t = 0; t < R; t++)
+        row[L + t] = VISIBLE(rpos[t], hi, lo) ? dot(qm, rk + t * D, D) * scaling : -INFINITY;
+    if (softcap > 0.0f)
+        for (int64_t t = 0; t < T; t++)
+            if (row[t] != -INFINITY) row[t] = softcap * tanhf(row[t] / softcap);
+    const float s = sink ? *sink : -INFINITY;
+    float top = s, sum = 0.0f;
+    for (int64_t t = 0; t < T; t++) top = row[t] > top ? row[t] : top;
+    for (int64_t t = 0; t < T; t++) { row[t] = expf(row[t] - top); sum += row[t]; }
+    if (sink) sum += expf(s - top);
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < T; t++) row[t] *= inv;
+}
+
+/* Inside a parallel region (orphaned omp for): first[bh], the lowest position of (row, KV head) bh over its L
+   coded and R residual slots (a query below it sees no key). */
+static void lowest_positions(int64_t* first, const int32_t* pos, const int32_t* rpos, int64_t BH, int64_t L,
+                             int64_t R) {
+    #pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < BH; bh++) {
+        int64_t lowest = INT64_MAX;
+        for (int64_t t = 0; t < L; t++) if (pos[bh * L + t] < lowest) lowest = pos[bh * L + t];
+        for (int64_t t = 0; t < R; t++) if (rpos[bh * R + t] < lowest) lowest = rpos[bh * R + t];
+        first[bh] = lowest;
+    }
+}
+
+/* Inside a parallel region: residual_softmax for every query row of logits [BH, M, T] (q [BH, M, D], row m is
+   query m % n of the group; a query that sees no key sees every slot). */
+static void softmax_rows(float* logits, const float* q, const int64_t* qpos, const int64_t* first,
+                         const float* rk, const int32_t* rpos, int64_t BH, int64_t H, int64_t M, int64_t n,
+                         int64_t T, int64_t R, int64_t D, int64_t window, float scaling, float softcap,
+                         const float* sinks) {
+    #pragma omp for collapse(2) schedule(static)
+    for (int64_t bh = 0; bh < BH; bh++) {
+        for (int64_t m = 0; m < M; m++) {
+            const int64_t qpm = qpos[(bh / H) * n + m % n];
+            const int blind = first[bh] > qpm;
+            const int64_t hi = blind ? INT64_MAX : qpm, lo = blind || window <= 0 ? INT64_MIN : qpm - window + 1;
+            residual_softmax(logits + (bh * M + m) * T, T, R, q + (bh * M + m) * D, rk + bh * R * D,
+                             rpos + bh * R, D, hi, lo, scaling, softcap,
+                             sinks ? sinks + (bh % H) * (M / n) + m / n : NULL);
+        }
+    }
+}
+
 static void plane_channels(int64_t* channel, int64_t D, int64_t W, int bits) {
     const int64_t P = 8 / bits;
     for (int64_t c = 0; c < D; c++) channel[c] = (c % W) * P + c / W;
@@ -166,13 +219,7 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
     plane_channels(channel, D, W, bits);
     #pragma omp parallel num_threads(threads)
     {
-        #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < BH; bh++) {
-            int64_t lowest = INT64_MAX;
-            for (int64_t t = 0; t < L; t++) if (pos[bh * L + t] < lowest) lowest = pos[bh * L + t];
-            for (int64_t t = 0; t < R; t++) if (rpos[bh * R + t] < lowest) lowest = rpos[bh * R + t];
-            first[bh] = lowest;
-        }
+        lowest_positions(first, pos, rpos, BH, L, R);
         /* Keys: each group's logits (or the caller's), then the visibility rule. */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++) {
@@ -205,28 +252,7 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
             }
         }
         /* Residual keys, then soft-capping and a softmax (with the head's sink) per query row. */
-        #pragma omp for collapse(2) schedule(static)
-        for (int64_t bh = 0; bh < BH; bh++) {
-            for (int64_t m = 0; m < M; m++) {
-                const int64_t qpm = qpos[(bh / H) * n + m % n];
-                const int blind = first[bh] > qpm;
-                const int64_t hi = blind ? INT64_MAX : qpm, lo = blind || window <= 0 ? INT64_MIN : qpm - window + 1;
-                float* row = logits + (bh * M + m) * T;
-                for (int64_t t = 0; t < R; t++)
-                    row[L + t] = VISIBLE(rpos[bh * R + t], hi, lo)
-                        ? dot(q + (bh * M + m) * D, rk + (bh * R + t) * D, D) * scaling : -INFINITY;
-                if (softcap > 0.0f)
-                    for (int64_t t = 0; t < T; t++)
-                        if (row[t] != -INFINITY) row[t] = softcap * tanhf(row[t] / softcap);
-                const float sink = sinks ? sinks[(bh % H) * (M / n) + m / n] : -INFINITY;
-                float top = sink, sum = 0.0f;
-                for (int64_t t = 0; t < T; t++) top = row[t] > top ? row[t] : top;
-                for (int64_t t = 0; t < T; t++) { row[t] = expf(row[t] - top); sum += row[t]; }
-                if (sinks) sum += expf(sink - top);
-                const float inv = 1.0f / sum;
-                for (int64_t t = 0; t < T; t++) row[t] *= inv;
-            }
-        }
+        softmax_rows(logits, q, qpos, first, rk, rpos, BH, H, M, n, T, R, D, window, scaling, softcap, sinks);
         /* Values: acc_c += (p * s_j) * c_c + p * z_j, j the channel group of column c. */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++) {
@@ -289,6 +315,142 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                     const float p = lg[m * T + L + t];
                     float* o = ob + m * D;
                     for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
+                }
+            }
+        }
+    }
+}
+
+/* KVTC's live codes of one token, one KV head and one kind, as floats in coding order: cnt[0], cnt[1], cnt[2]
+   components stored at 2, 4 and 8 bits, 5, 2 and 1 to a byte (lut3 [256 * 5], lut15 [256 * 2]: a byte's
+   digits). Returns the number of components. */
+static inline int64_t unpack_live(const uint8_t* restrict p, const int64_t* restrict cnt,
+                                  const uint8_t* restrict lut3, const uint8_t* restrict lut15, float* restrict o) {
+    for (int64_t j = 0; j < cnt[0]; j += 5, p++) {
+        const uint8_t* d = lut3 + 5 * *p;
+        for (int64_t i = 0; i < 5 && j + i < cnt[0]; i++) o[j + i] = d[i];
+    }
+    o += cnt[0];
+    for (int64_t j = 0; j < cnt[1]; j += 2, p++) {
+        const uint8_t* d = lut15 + 2 * *p;
+        o[j] = d[0];
+        if (j + 1 < cnt[1]) o[j + 1] = d[1];
+    }
+    o += cnt[1];
+    for (int64_t j = 0; j < cnt[2]; j++, p++) o[j] = *p;
+    return cnt[0] + cnt[1] + cnt[2];
+}
+
+/* KVTC decode attention over live codes. q [BH, M, D] (row m: query m % n); qpos [B, n]; kc [BH, L, Wk],
+   vc [BH, L, Wv] packed codes; pos [BH, L] (>= P: a hole); cnt [H, 2, 3] components per width of each KV head's
+   keys and values; wk, wv [H, S, D] and ok, ov [H, D]: a key is RoPE(codes @ wk + ok), a value codes @ wv + ov;
+   cos_t, sin_t [P, RD] by position (RD rotary channels); rk, rv [BH, R, D], rpos [BH, R]: full-precision sinks and
+   window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, S + 2 * D]; partial [BH * chunks, M, S + 1].
+   Keys: each coded token's key is rebuilt once (unpack, S x D multiply-adds, rotation) and shared by the group's
+   M rows; values: the probabilities are applied to the codes and projected once per row at the end. */
+void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const uint8_t* vc,
+                        const int32_t* pos, const int64_t* cnt, const float* wk, const float* ok, const float* wv,
+                        const float* ov, const float* cos_t, const float* sin_t, const uint8_t* lut3,
+                        const uint8_t* lut15, const float* rk, const float* rv, const int32_t* rpos, float* out,
+                        float* logits, float* work, float* partial, int64_t B, int64_t H, int64_t M, int64_t n,
+                        int64_t L, int64_t R, int64_t D, int64_t S, int64_t RD, int64_t P, int64_t Wk, int64_t Wv,
+                        int64_t chunks, float scaling, int threads, int64_t window, float softcap,
+                        const float* sinks) {
+    const int64_t BH = B * H, T = L + R, per_chunk = (L + chunks - 1) / chunks, half = RD / 2;
+    int64_t first[BH > 0 ? BH : 1];
+    #pragma omp parallel num_threads(threads)
+    {
+        lowest_positions(first, pos, rpos, BH, L, R);
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                const int64_t h = bh % H, *qp = qpos + (bh / H) * n;
+                const float *w = wk + h * S * D, *o = ok + h * D;
+                float *c = work + (bh * chunks + chunk) * (S + 2 * D), *k = c + S, *kr = k + D;
+                float* lg = logits + bh * M * T;
+                int64_t hi[M > 0 ? M : 1], lo[M > 0 ? M : 1];
+                for (int64_t m = 0; m < M; m++) {
+                    const int blind = first[bh] > qp[m % n];  /* sees no key: sees every slot */
+                    hi[m] = blind ? INT64_MAX : qp[m % n];
+                    lo[m] = blind || window <= 0 ? INT64_MIN : qp[m % n] - window + 1;
+                }
+                const int64_t t_end = (chunk + 1) * per_chunk < L ? (chunk + 1) * per_chunk : L;
+                for (int64_t t = chunk * per_chunk; t < t_end; t++) {
+                    const int32_t kp = pos[bh * L + t];
+                    int seen = 0;
+                    for (int64_t m = 0; m < M; m++) seen |= VISIBLE(kp, hi[m], lo[m]);
+                    if (!seen) {  /* a hole, or outside every row's window: not rebuilt */
+                        for (int64_t m = 0; m < M; m++) lg[m * T + t] = -INFINITY;
+                        continue;
+                    }
+                    const int64_t ns = unpack_live(kc + (bh * L + t) * Wk, cnt + h * 6, lut3, lut15, c);
+                    if (D == 64) {  /* the accumulator stays in registers across the components */
+                        float r[64];
+                        for (int i = 0; i < 64; i++) r[i] = o[i];
+                        for (int64_t s = 0; s < ns; s++) {
+                            const float x = c[s], *ws = w + s * 64;
+                            for (int i = 0; i < 64; i++) r[i] += x * ws[i];
+                        }
+                        for (int i = 0; i < 64; i++) k[i] = r[i];
+                    } else {
+                        memcpy(k, o, sizeof(float) * D);
+                        for (int64_t s = 0; s < ns; s++) axpy(k, c[s], w + s * D, D);
+                    }
+                    const int64_t at = kp >= 0 && kp < P ? kp : 0;
+                    const float *cs = cos_t + at * RD, *sn = sin_t + at * RD;
+                    for (int64_t i = 0; i < half; i++) {
+                        kr[i] = k[i] * cs[i] - k[i + half] * sn[i];
+                        kr[i + half] = k[i + half] * cs[i + half] + k[i] * sn[i + half];
+                    }
+                    for (int64_t i = RD; i < D; i++) kr[i] = k[i];
+                    for (int64_t m = 0; m < M; m++)
+                        lg[m * T + t] = VISIBLE(kp, hi[m], lo[m]) ? dot(q + (bh * M + m) * D, kr, D) * scaling
+                                                                  : -INFINITY;
+                }
+            }
+        }
+        softmax_rows(logits, q, qpos, first, rk, rpos, BH, H, M, n, T, R, D, window, scaling, softcap, sinks);
+        /* Values: acc[m, s] += p * code_s and acc[m, S] += p per chunk. */
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                const int64_t h = bh % H;
+                const float* lg = logits + bh * M * T;
+                float* acc = partial + (bh * chunks + chunk) * M * (S + 1);
+                float* c = work + (bh * chunks + chunk) * (S + 2 * D);
+                memset(acc, 0, sizeof(float) * M * (S + 1));
+                const int64_t t_end = (chunk + 1) * per_chunk < L ? (chunk + 1) * per_chunk : L;
+                for (int64_t t = chunk * per_chunk; t < t_end; t++) {
+                    int any = 0;
+                    for (int64_t m = 0; m < M; m++) any |= lg[m * T + t] != 0.0f;
+                    if (!any) continue;
+                    const int64_t ns = unpack_live(vc + (bh * L + t) * Wv, cnt + h * 6 + 3, lut3, lut15, c);
+                    for (int64_t m = 0; m < M; m++) {
+                        const float p = lg[m * T + t];
+                        axpy(acc + m * (S + 1), p, c, ns);  /* restrict: vectorised */
+                        acc[m * (S + 1) + S] += p;
+                    }
+                }
+            }
+        }
+        /* Sum the chunks, project once per row, then the residual values. */
+        #pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            const int64_t h = bh % H;
+            const float *w = wv + h * S * D, *o = ov + h * D, *lg = logits + bh * M * T;
+            float* sum = work + bh * chunks * (S + 2 * D);  /* the chunks' keys pass is over: reuse */
+            for (int64_t m = 0; m < M; m++) {
+                memset(sum, 0, sizeof(float) * (S + 1));
+                for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                    const float* a = partial + ((bh * chunks + chunk) * M + m) * (S + 1);
+                    for (int64_t s = 0; s <= S; s++) sum[s] += a[s];
+                }
+                float* ob = out + (bh * M + m) * D;
+                scale(ob, sum[S], o, D);
+                for (int64_t s = 0; s < S; s++) if (sum[s] != 0.0f) axpy(ob, sum[s], w + s * D, D);
+                for (int64_t t = 0; t < R; t++) {
+                    const float p = lg[m * T + L + t];
+                    if (p != 0.0f) axpy(ob, p, rv + (bh * R + t) * D, D);
                 }
             }
         }
@@ -392,6 +554,10 @@ def _compile() -> ctypes.CDLL | None:
     fn = lib.quant_key_logits_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    fn = lib.kvtc_attention_f32
+    fn.restype = None
+    fn.argtypes = ([ctypes.c_void_p] * 21 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64,
+                                                                      ctypes.c_float, ctypes.c_void_p])
     return lib
 
 
@@ -502,3 +668,64 @@ def quant_key_logits(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.
                              work.data_ptr(), b, h, rows, length, group, d, key_codes.shape[-1], chunks, bits,
                              float(scaling), threads)
     return out
+
+
+_LIVE_DIGITS: dict[int, torch.Tensor] = {}
+
+
+def _digits(base: int, k: int) -> torch.Tensor:
+    """``[256 * k]`` uint8: the ``k`` base-``base`` digits of every byte, lowest first (KVTC's live packing)."""
+    if base not in _LIVE_DIGITS:
+        byte = torch.arange(256)
+        _LIVE_DIGITS[base] = torch.stack([(byte // base**i) % base for i in range(k)], 1).to(torch.uint8).reshape(-1)
+    return _LIVE_DIGITS[base]
+
+
+def supports_kvtc(q: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether :func:`kvtc_attention` runs these inputs (float32 CPU tensors, the kernel built)."""
+    return (enabled() and q.device.type == "cpu" and q.dtype == torch.float32
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and load() is not None)
+
+
+def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
+                   positions: torch.Tensor, counts: torch.Tensor, key_weight: torch.Tensor, key_offset: torch.Tensor,
+                   value_weight: torch.Tensor, value_offset: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   residual_keys: torch.Tensor, residual_values: torch.Tensor, residual_positions: torch.Tensor,
+                   scaling: float, window: int | None = None, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of ``q`` ``[B, H_q, n, D]`` (positions ``q_pos`` ``[B, n]``) over KVTC's live codes and
+    its full-precision tokens, read once from the packed codes (:mod:`compressors.kvtc`).
+
+    key_codes ``[B, H_kv, L, W_k]``, value_codes ``[B, H_kv, L, W_v]`` uint8 and positions ``[B, H_kv, L]``
+    (``>= len(cos)``: no token); counts ``[H_kv, 2, 3]`` components stored at 2, 4 and 8 bits per KV head for keys
+    and values (coding order); a key is ``rotate(codes @ key_weight[h] + key_offset[h])`` (``[H_kv, S, D]``,
+    ``[H_kv, D]``; cos, sin ``[P, RD]`` by position), a value ``codes @ value_weight[h] + value_offset[h]``.
+    residual_*: the sinks and window ``[B, H_kv, R, D]``, positions ``[B, H_kv, R]``. The layer's window,
+    soft-cap and sink logits ``[H_q]`` as in :func:`quant_attention`. Returns ``[B, H_q, n, D]`` float32."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernel is unavailable; use KVTC's torch path")
+    b, hq, n, d = q.shape
+    h, length, r = positions.shape[1], positions.shape[2], residual_positions.shape[-1]
+    rows, s = hq // h * n, key_weight.shape[1]
+    if value_weight.shape[1] != s:
+        raise ValueError(f"key and value weights must share S; got {s} and {value_weight.shape[1]}.")
+    threads = max(1, torch.get_num_threads())
+    chunks = max(1, min(-(-length // 64), -(-2 * threads // (b * h)))) if threads > 1 and length else 1
+    tensors = [q.reshape(b, h, rows, d).contiguous(), q_pos.to(torch.int64).contiguous(), key_codes.contiguous(),
+               value_codes.contiguous(), positions.to(torch.int32).contiguous(), counts.to(torch.int64).contiguous(),
+               key_weight.contiguous(), key_offset.contiguous(), value_weight.contiguous(), value_offset.contiguous(),
+               cos.contiguous(), sin.contiguous(), _digits(3, 5), _digits(15, 2), residual_keys.contiguous(),
+               residual_values.contiguous(), residual_positions.to(torch.int32).contiguous()]
+    sinks = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+    out = torch.empty(b, h, rows, d, dtype=torch.float32)
+    logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
+    work = torch.empty(b * h * chunks, s + 2 * d, dtype=torch.float32)
+    partial = torch.empty(b * h * chunks, rows, s + 1, dtype=torch.float32)
+    lib.kvtc_attention_f32(
+        *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
+        b, h, rows, n, length, r, d, s, cos.shape[-1], cos.shape[0], key_codes.shape[-1], value_codes.shape[-1],
+        chunks, float(scaling), threads, int(window or 0), float(softcap or 0.0),
+        None if sinks is None else sinks.data_ptr(),
+    )
+    return out.reshape(b, hq, n, d)
