@@ -639,3 +639,46 @@ def test_an_older_default_artifact_is_recalibrated_and_a_given_one_is_an_error(t
         ensure_artifact(model, tokenizer, str(old), tokens=600)  # a path the user gave is not overwritten
     assert ensure_artifact(model, tokenizer, None, tokens=600) == str(old)
     assert calibration.is_current(old) and calibration.load_artifact(old, model).meta["tokens"] == "596"  # sinks skipped
+
+
+@pytest.mark.parametrize("head_dim,rotary", [(64, 64), (64, 32), (48, 48)])
+def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary):
+    """The C kernel on random live codes (the 4-token key path at head_dim 64, the general one otherwise; a
+    partial rotary embedding; holes; a length that is not a multiple of 4) against the keys and values rebuilt
+    in torch and dense attention over them."""
+    from kvcomp.kernels import cpu_native
+
+    if not cpu_native.supports_kvtc(torch.zeros(1)):
+        pytest.skip("the native CPU kernel is unavailable")
+    g = torch.Generator().manual_seed(head_dim + rotary)
+    b, h, length, n_res, group = 2, 2, 203, 9, 3
+    bits = np.array([[[2] * 7 + [4] * 9 + [8] * (head_dim - 16)] * 2, [[4] * 4 + [8] * (head_dim - 4), [8] * head_dim]])
+    segments = tc.live_segments(bits)
+    widths = [max(tc.live_width(head[kind]) for head in segments) for kind in range(2)]
+    levels = tc.max_level(torch.from_numpy(bits))
+    codes = [torch.stack([torch.stack([torch.floor(torch.rand(length, head_dim, generator=g) * (2 * levels[j, kind] + 1))
+                                       for j in range(h)]) for _ in range(b)]).to(torch.uint8) for kind in (0, 1)]
+    packed = [torch.stack([tc.pack_live(codes[kind][:, j], segments[j][kind], widths[kind]) for j in range(h)], 1)
+              for kind in (0, 1)]
+    positions = torch.arange(length, dtype=torch.int32).expand(b, h, length).clone()
+    positions[1, 0, 40:80] = SENTINEL  # a hole
+    weight = torch.randn(h, 2, head_dim, head_dim, generator=g) * 0.01  # keys of order 1 to 10
+    offset = torch.randn(h, 2, head_dim, generator=g)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary, 2).float() / rotary)
+    cos, sin = tc.rope_table(512, inv_freq)
+    res_pos = torch.arange(length, length + n_res, dtype=torch.int32).expand(b, h, n_res).contiguous()
+    res_k, res_v = (torch.randn(b, h, n_res, head_dim, generator=g) for _ in range(2))
+    q = torch.randn(b, h * group, 2, head_dim, generator=g)
+    q_pos = torch.tensor([[length + n_res - 2, length + n_res - 1]] * b)
+    counts = torch.tensor([[[dict(s).get(w, 0) for w in (2, 4, 8)] for s in head] for head in segments])
+    spec = AttentionSpec(head_dim ** -0.5, window=150)
+    out = cpu_native.kvtc_attention(q, q_pos, packed[0], packed[1], positions, counts, weight[:, 0].contiguous(),
+                                    offset[:, 0].contiguous(), weight[:, 1].contiguous(), offset[:, 1].contiguous(),
+                                    cos, sin, res_k, res_v, res_pos, spec.scaling, spec.window)
+    index = positions.long().masked_fill(positions >= SENTINEL, 0)
+    keys = torch.matmul(codes[0].float(), weight[:, 0]) + offset[:, 0, None]
+    keys = tc.rotate(keys, cos[index], sin[index])
+    values = torch.matmul(codes[1].float(), weight[:, 1]) + offset[:, 1, None]
+    expected, _ = dense_attention(q, torch.cat([keys, res_k], 2), torch.cat([values, res_v], 2), q_pos,
+                                  torch.cat([positions, res_pos], 2), spec)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=5e-5)

@@ -326,26 +326,72 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
    digits). Returns the number of components. */
 static inline int64_t unpack_live(const uint8_t* restrict p, const int64_t* restrict cnt,
                                   const uint8_t* restrict lut3, const uint8_t* restrict lut15, float* restrict o) {
-    for (int64_t j = 0; j < cnt[0]; j += 5, p++) {
+    const int64_t n3 = cnt[0], n15 = cnt[1], n8 = cnt[2];
+    int64_t j = 0;
+    for (; j + 5 <= n3; j += 5, p++) {
         const uint8_t* d = lut3 + 5 * *p;
-        for (int64_t i = 0; i < 5 && j + i < cnt[0]; i++) o[j + i] = d[i];
+        o[j] = d[0]; o[j + 1] = d[1]; o[j + 2] = d[2]; o[j + 3] = d[3]; o[j + 4] = d[4];
     }
-    o += cnt[0];
-    for (int64_t j = 0; j < cnt[1]; j += 2, p++) {
-        const uint8_t* d = lut15 + 2 * *p;
-        o[j] = d[0];
-        if (j + 1 < cnt[1]) o[j + 1] = d[1];
+    if (j < n3) {
+        const uint8_t* d = lut3 + 5 * *p++;
+        for (int64_t i = 0; j + i < n3; i++) o[j + i] = d[i];
     }
-    o += cnt[1];
-    for (int64_t j = 0; j < cnt[2]; j++, p++) o[j] = *p;
-    return cnt[0] + cnt[1] + cnt[2];
+    o += n3;
+    for (j = 0; j + 2 <= n15; j += 2, p++) { o[j] = lut15[2 * *p]; o[j + 1] = lut15[2 * *p + 1]; }
+    if (j < n15) o[j] = lut15[2 * *p++];
+    o += n15;
+    for (j = 0; j < n8; j++) o[j] = p[j];
+    return n3 + n15 + n8;
+}
+
+/* kr = RoPE of k (D channels, the first RD rotated: rotate-half with this position's cos, sin [RD]). */
+static inline void rotate_key(float* restrict kr, const float* restrict k, const float* restrict cs,
+                              const float* restrict sn, int64_t RD, int64_t D) {
+    const int64_t half = RD / 2;
+    if (RD == 64 && D == 64) {
+        for (int i = 0; i < 32; i++) {
+            kr[i] = k[i] * cs[i] - k[i + 32] * sn[i];
+            kr[i + 32] = k[i + 32] * cs[i + 32] + k[i] * sn[i + 32];
+        }
+        return;
+    }
+    for (int64_t i = 0; i < half; i++) {
+        kr[i] = k[i] * cs[i] - k[i + half] * sn[i];
+        kr[i + half] = k[i + half] * cs[i + half] + k[i] * sn[i + half];
+    }
+    for (int64_t i = RD; i < D; i++) kr[i] = k[i];
+}
+
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float* p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+
+/* Four keys at once for D = 64: k[j] = o + sum_s c[j * S + s] * w[s] (w [ns, 64]), 16 channels at a time so that
+   the 8 accumulators stay in registers and every weight load serves the four tokens. */
+static void keys4_d64(const float* restrict c, int64_t S, int64_t ns, const float* restrict w,
+                      const float* restrict o, float* restrict k) {
+    for (int quarter = 0; quarter < 4; quarter++) {
+        const int off = 16 * quarter;
+        const v8f o0 = load8(o + off), o1 = load8(o + off + 8);
+        v8f a00 = o0, a01 = o1, a10 = o0, a11 = o1, a20 = o0, a21 = o1, a30 = o0, a31 = o1;
+        for (int64_t s = 0; s < ns; s++) {
+            const v8f w0 = load8(w + s * 64 + off), w1 = load8(w + s * 64 + off + 8);
+            const float x0 = c[s], x1 = c[S + s], x2 = c[2 * S + s], x3 = c[3 * S + s];
+            a00 += x0 * w0; a01 += x0 * w1; a10 += x1 * w0; a11 += x1 * w1;
+            a20 += x2 * w0; a21 += x2 * w1; a30 += x3 * w0; a31 += x3 * w1;
+        }
+        memcpy(k + off, &a00, 32); memcpy(k + off + 8, &a01, 32);
+        memcpy(k + 64 + off, &a10, 32); memcpy(k + 64 + off + 8, &a11, 32);
+        memcpy(k + 128 + off, &a20, 32); memcpy(k + 128 + off + 8, &a21, 32);
+        memcpy(k + 192 + off, &a30, 32); memcpy(k + 192 + off + 8, &a31, 32);
+    }
 }
 
 /* KVTC decode attention over live codes. q [BH, M, D] (row m: query m % n); qpos [B, n]; kc [BH, L, Wk],
    vc [BH, L, Wv] packed codes; pos [BH, L] (>= P: a hole); cnt [H, 2, 3] components per width of each KV head's
    keys and values; wk, wv [H, S, D] and ok, ov [H, D]: a key is RoPE(codes @ wk + ok), a value codes @ wv + ov;
    cos_t, sin_t [P, RD] by position (RD rotary channels); rk, rv [BH, R, D], rpos [BH, R]: full-precision sinks and
-   window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, S + 2 * D]; partial [BH * chunks, M, S + 1].
+   window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, 4 * S + 5 * D]; partial [BH * chunks, M, S + 1].
    Keys: each coded token's key is rebuilt once (unpack, S x D multiply-adds, rotation) and shared by the group's
    M rows; values: the probabilities are applied to the codes and projected once per row at the end. */
 void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const uint8_t* vc,
@@ -356,7 +402,7 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                         int64_t L, int64_t R, int64_t D, int64_t S, int64_t RD, int64_t P, int64_t Wk, int64_t Wv,
                         int64_t chunks, float scaling, int threads, int64_t window, float softcap,
                         const float* sinks) {
-    const int64_t BH = B * H, T = L + R, per_chunk = (L + chunks - 1) / chunks, half = RD / 2;
+    const int64_t BH = B * H, T = L + R, per_chunk = (L + chunks - 1) / chunks;
     int64_t first[BH > 0 ? BH : 1];
     #pragma omp parallel num_threads(threads)
     {
@@ -366,46 +412,47 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
             for (int64_t chunk = 0; chunk < chunks; chunk++) {
                 const int64_t h = bh % H, *qp = qpos + (bh / H) * n;
                 const float *w = wk + h * S * D, *o = ok + h * D;
-                float *c = work + (bh * chunks + chunk) * (S + 2 * D), *k = c + S, *kr = k + D;
+                float *c = work + (bh * chunks + chunk) * (4 * S + 5 * D), *k = c + 4 * S, *kr = k + 4 * D;
                 float* lg = logits + bh * M * T;
-                int64_t hi[M > 0 ? M : 1], lo[M > 0 ? M : 1];
+                int64_t hi[M > 0 ? M : 1], lo[M > 0 ? M : 1], batch[4], nb = 0;
                 for (int64_t m = 0; m < M; m++) {
                     const int blind = first[bh] > qp[m % n];  /* sees no key: sees every slot */
                     hi[m] = blind ? INT64_MAX : qp[m % n];
                     lo[m] = blind || window <= 0 ? INT64_MIN : qp[m % n] - window + 1;
                 }
                 const int64_t t_end = (chunk + 1) * per_chunk < L ? (chunk + 1) * per_chunk : L;
-                for (int64_t t = chunk * per_chunk; t < t_end; t++) {
-                    const int32_t kp = pos[bh * L + t];
-                    int seen = 0;
-                    for (int64_t m = 0; m < M; m++) seen |= VISIBLE(kp, hi[m], lo[m]);
-                    if (!seen) {  /* a hole, or outside every row's window: not rebuilt */
-                        for (int64_t m = 0; m < M; m++) lg[m * T + t] = -INFINITY;
-                        continue;
-                    }
-                    const int64_t ns = unpack_live(kc + (bh * L + t) * Wk, cnt + h * 6, lut3, lut15, c);
-                    if (D == 64) {  /* the accumulator stays in registers across the components */
-                        float r[64];
-                        for (int i = 0; i < 64; i++) r[i] = o[i];
-                        for (int64_t s = 0; s < ns; s++) {
-                            const float x = c[s], *ws = w + s * 64;
-                            for (int i = 0; i < 64; i++) r[i] += x * ws[i];
+                int64_t ns = 0;
+                for (int64_t t = chunk * per_chunk; t <= t_end; t++) {
+                    if (t < t_end) {
+                        const int32_t kp = pos[bh * L + t];
+                        int seen = 0;
+                        for (int64_t m = 0; m < M; m++) seen |= VISIBLE(kp, hi[m], lo[m]);
+                        if (!seen) {  /* a hole, or outside every row's window: not rebuilt */
+                            for (int64_t m = 0; m < M; m++) lg[m * T + t] = -INFINITY;
+                            continue;
                         }
-                        for (int i = 0; i < 64; i++) k[i] = r[i];
-                    } else {
-                        memcpy(k, o, sizeof(float) * D);
-                        for (int64_t s = 0; s < ns; s++) axpy(k, c[s], w + s * D, D);
+                        ns = unpack_live(kc + (bh * L + t) * Wk, cnt + h * 6, lut3, lut15, c + nb * S);
+                        batch[nb++] = t;
+                        if (nb < 4) continue;
                     }
-                    const int64_t at = kp >= 0 && kp < P ? kp : 0;
-                    const float *cs = cos_t + at * RD, *sn = sin_t + at * RD;
-                    for (int64_t i = 0; i < half; i++) {
-                        kr[i] = k[i] * cs[i] - k[i + half] * sn[i];
-                        kr[i + half] = k[i + half] * cs[i + half] + k[i] * sn[i + half];
+                    if (nb == 0) continue;
+                    /* Rebuild the batch's keys, then rotate each and take its logits. */
+                    if (D == 64 && nb == 4) keys4_d64(c, S, ns, w, o, k);
+                    else
+                        for (int64_t j = 0; j < nb; j++) {
+                            memcpy(k + j * D, o, sizeof(float) * D);
+                            for (int64_t s = 0; s < ns; s++) axpy(k + j * D, c[j * S + s], w + s * D, D);
+                        }
+                    for (int64_t j = 0; j < nb; j++) {
+                        const int64_t tj = batch[j];
+                        const int32_t kp = pos[bh * L + tj];
+                        const int64_t at = kp >= 0 && kp < P ? kp : 0;
+                        rotate_key(kr, k + j * D, cos_t + at * RD, sin_t + at * RD, RD, D);
+                        for (int64_t m = 0; m < M; m++)
+                            lg[m * T + tj] = VISIBLE(kp, hi[m], lo[m]) ? dot(q + (bh * M + m) * D, kr, D) * scaling
+                                                                       : -INFINITY;
                     }
-                    for (int64_t i = RD; i < D; i++) kr[i] = k[i];
-                    for (int64_t m = 0; m < M; m++)
-                        lg[m * T + t] = VISIBLE(kp, hi[m], lo[m]) ? dot(q + (bh * M + m) * D, kr, D) * scaling
-                                                                  : -INFINITY;
+                    nb = 0;
                 }
             }
         }
@@ -417,7 +464,7 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                 const int64_t h = bh % H;
                 const float* lg = logits + bh * M * T;
                 float* acc = partial + (bh * chunks + chunk) * M * (S + 1);
-                float* c = work + (bh * chunks + chunk) * (S + 2 * D);
+                float* c = work + (bh * chunks + chunk) * (4 * S + 5 * D);
                 memset(acc, 0, sizeof(float) * M * (S + 1));
                 const int64_t t_end = (chunk + 1) * per_chunk < L ? (chunk + 1) * per_chunk : L;
                 for (int64_t t = chunk * per_chunk; t < t_end; t++) {
@@ -438,7 +485,7 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
         for (int64_t bh = 0; bh < BH; bh++) {
             const int64_t h = bh % H;
             const float *w = wv + h * S * D, *o = ov + h * D, *lg = logits + bh * M * T;
-            float* sum = work + bh * chunks * (S + 2 * D);  /* the chunks' keys pass is over: reuse */
+            float* sum = work + bh * chunks * (4 * S + 5 * D);  /* the chunks' keys pass is over: reuse */
             for (int64_t m = 0; m < M; m++) {
                 memset(sum, 0, sizeof(float) * (S + 1));
                 for (int64_t chunk = 0; chunk < chunks; chunk++) {
@@ -720,7 +767,7 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
     sinks = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
     logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
-    work = torch.empty(b * h * chunks, s + 2 * d, dtype=torch.float32)
+    work = torch.empty(b * h * chunks, 4 * s + 5 * d, dtype=torch.float32)
     partial = torch.empty(b * h * chunks, rows, s + 1, dtype=torch.float32)
     lib.kvtc_attention_f32(
         *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
