@@ -155,7 +155,11 @@ class KVTC(Compressor):
         for dropped components) on ``device`` and bits ``[H, 2, D]`` (CPU); for decoding, ``weight``
         ``[H, 2, S, D]`` and ``offset`` ``[H, 2, D]`` with ``codes @ weight + offset`` the reconstruction of
         the ``S`` stored codes in :func:`kvcomp.transform_coding.coding_order` (dequantization folded in),
-        and the :func:`kvcomp.transform_coding.block_segments` of each KV head's blocks."""
+        the :func:`kvcomp.transform_coding.block_segments` of each KV head's blocks (the stored form), the live
+        layout (``live``: each KV head's ``(width, components)`` per kind; ``widths``: bytes per token of keys
+        and values; ``orders``: each KV head's coding order per kind) and, for the C kernel, ``counts``
+        ``[H, 2, 3]`` (components per width) and contiguous ``key_weight``, ``key_offset``, ``value_weight``,
+        ``value_offset``."""
         key = (layer, torch.finfo(dtype).bits, str(device))
         if key not in self._codecs:
             cal = self.calibration
