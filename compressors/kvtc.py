@@ -32,8 +32,10 @@ Bytes. ``nbytes()`` counts the live codes, their int32 positions, the full-preci
 ``len()`` of each ``bytes``). The calibration artifact (bases, means, steps) is shared by every sequence of
 the model: :meth:`KVTC.basis_bytes` reports it once, and it is not in ``nbytes()``.
 
-Decoding. :meth:`KVTC.attend` never materializes the whole reconstructed cache: ``_DECODE_TOKENS`` (1024)
-coded tokens at a time are unpacked (one table gather per width) and turned into floats: keys by one batched
+Decoding. :meth:`KVTC.attend` never materializes the whole reconstructed cache. On the CPU in float32 it
+calls the fused C kernel :func:`kvcomp.kernels.cpu_native.kvtc_attention` (one pass over the packed codes:
+each visible key rebuilt once for its query group, four at a time at head dim 64, the probabilities applied
+to the value codes and projected once). Elsewhere ``_DECODE_TOKENS`` (1024) coded tokens at a time are unpacked (one table gather per width) and turned into floats: keys by one batched
 matmul of the codes with the basis (dequantization folded in, ``codes @ weight + offset``) and RoPE from a
 cos/sin table indexed by position; values stay coefficients, the online softmax applies its probabilities to
 them and projects the ``[B, H_kv, G * n, S]`` result once (cheap for a few queries, instead of reconstructing
