@@ -154,14 +154,14 @@ class KVTC(Compressor):
 
     def codec(self, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Per-layer tensors: for coding, basis ``[H, 2, D, D]``, mean, step and level ``[H, 2, D]`` (step 0
-        for dropped components) on ``device`` and bits ``[H, 2, D]`` (CPU); for decoding, ``weight``
-        ``[H, 2, S, D]`` and ``offset`` ``[H, 2, D]`` with ``codes @ weight + offset`` the reconstruction of
-        the ``S`` stored codes in :func:`kvcomp.transform_coding.coding_order` (dequantization folded in),
-        the :func:`kvcomp.transform_coding.block_segments` of each KV head's blocks (the stored form), the live
+        for dropped components) on ``device`` and bits ``[H, 2, D]`` (CPU); for decoding, ``key_weight`` and
+        ``value_weight`` ``[H, S, D]`` and ``key_offset``, ``value_offset`` ``[H, D]`` (contiguous: the C kernel
+        reads them) with ``codes @ weight + offset`` the reconstruction of the ``S`` stored codes in
+        :func:`kvcomp.transform_coding.coding_order` (dequantization folded in), the
+        :func:`kvcomp.transform_coding.block_segments` of each KV head's blocks (the stored form), the live
         layout (``live``: each KV head's ``(width, components)`` per kind; ``widths``: bytes per token of keys
-        and values; ``orders``: each KV head's coding order per kind) and, for the C kernel, ``counts``
-        ``[H, 2, 3]`` (components per width) and contiguous ``key_weight``, ``key_offset``, ``value_weight``,
-        ``value_offset``."""
+        and values; ``orders``: each KV head's coding order per kind) and ``counts`` ``[H, 2, 3]``
+        (components per width, for the C kernel)."""
         key = (layer, torch.finfo(dtype).bits, str(device))
         if key not in self._codecs:
             cal = self.calibration
@@ -180,8 +180,7 @@ class KVTC(Compressor):
             widths = tuple(max(tc.live_width(head[kind]) for head in live) for kind in range(2))
             self._codecs[key] = dict(basis=cal.basis[layer].to(device), mean=cal.mean[layer].to(device),
                                      step=step.to(device), level=level.to(device), bits=bits,
-                                     inv_freq=cal.inv_freq.to(device), weight=weight.to(device),
-                                     offset=offset.to(device), segments=tc.block_segments(bits.numpy()),
+                                     inv_freq=cal.inv_freq.to(device), segments=tc.block_segments(bits.numpy()),
                                      live=live, widths=widths, orders=orders,
                                      counts=torch.tensor([[[dict(segs).get(b, 0) for b in tc.BITS[1:]] for segs in head]
                                                           for head in live]),
@@ -262,7 +261,7 @@ class KVTC(Compressor):
     def _unpacked(self, codec, state: KVTCState, kind: int, sl: slice) -> torch.Tensor:
         """The live codes of ``kind`` (0 keys, 1 values) in slots ``sl``: ``[B, H, t, S]`` uint8, coding order."""
         packed = (state.key_codes, state.value_codes)[kind][:, :, sl]
-        stored = codec["weight"].shape[2]
+        stored = codec["key_weight"].shape[1]
         return torch.stack([tc.unpack_live(packed[:, h], codec["live"][h][kind], stored)
                             for h in range(packed.shape[1])], 1)
 
@@ -280,7 +279,7 @@ class KVTC(Compressor):
             sl = slice(start, start + per_chunk)
             p = state.positions[..., sl]
             coeffs = [self._unpacked(codec, state, kind, sl).float() for kind in (0, 1)]
-            keys = torch.matmul(coeffs[0], codec["weight"][:, 0]) + codec["offset"][:, 0, None]  # [B, H, T, D]
+            keys = torch.matmul(coeffs[0], codec["key_weight"]) + codec["key_offset"][:, None]  # [B, H, T, D]
             index = p.masked_fill(p >= SENTINEL, 0).long()
             if state.uniform:  # the usual case: all rows and heads hold the same tokens
                 index = index[0, 0]
@@ -339,7 +338,7 @@ class KVTC(Compressor):
     def reconstruct_values(self, layer: int, coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Value coefficients ``[B, H, T, S]`` from :meth:`_decoded_chunks` -> values ``[B, H, T, D]`` float32."""
         codec = self.codec(layer, dtype, coeffs.device)
-        return torch.matmul(coeffs, codec["weight"][:, 1]) + codec["offset"][:, 1, None]
+        return torch.matmul(coeffs, codec["value_weight"]) + codec["value_offset"][:, None]
 
     def materialize(self, state: KVTCState):
         """Everything reconstructed at once (for composition and tests; attend() does not call this)."""
@@ -359,7 +358,7 @@ class KVTC(Compressor):
         acc.step(state.sinks.keys, state.sinks.values, state.sinks.positions)
         if state.positions.shape[-1]:
             for k, c, p in self._decoded_chunks(layer, state, state.window.keys.dtype, _DECODE_TOKENS):
-                acc.step(k, c, p, codec["weight"][:, 1], codec["offset"][:, 1])
+                acc.step(k, c, p, codec["value_weight"], codec["value_offset"])
         acc.step(state.window.keys, state.window.values, state.window.positions)
         return acc.result()
 
