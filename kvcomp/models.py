@@ -183,6 +183,11 @@ def _load_embedded(dtype: torch.dtype, name: str = EMBEDDED_NAME, tokenizer_only
     else:
         if not spec.gguf_inside_package:
             gguf.unlink(missing_ok=True)  # the float weights are cached; the assembled file can be rebuilt
+        # The first load returns what every later load returns (the cached directory, not the GGUF's package):
+        # the same name and config in run records and store keys, and a directory that holds the tokenizer
+        # (KVzip reads its prompts' ids from there).
+        del model
+        return _load_embedded(dtype, name)
     return model, tokenizer
 
 

