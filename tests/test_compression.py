@@ -7,6 +7,7 @@ import torch
 
 import kvcomp
 from compressors.h2o import H2O
+from compressors.h2o import _causal_prompt_attention as _fast_path
 from compressors.snapkv import SnapKV
 from compressors.streaming_llm import StreamingLLM
 from kvcomp import Compose, CompressedCache, CompressorError, generate
@@ -177,6 +178,38 @@ def test_h2o_keeps_heavy_hitters(tiny):
         assert recent <= kept
         heavy = scores[head, :40].topk(8).indices.tolist()
         assert kept - recent == set(heavy)
+
+
+@pytest.mark.parametrize("case", ["prompt", "padded", "window", "softcap"])
+def test_accumulated_attention_equals_the_dense_probabilities(monkeypatch, case):
+    """H2O's prompt statistics equal the column sums of the whole probability matrix (the layer's visibility,
+    softcap; padding queries weigh nothing), on the fast path of an unpadded causal prompt (300 queries: two
+    chunks, the second partial) and on the general one."""
+    import compressors.h2o as h2o
+    from kvcomp.ops import SENTINEL, AttentionSpec, softcap, visible
+
+    gen = torch.Generator().manual_seed(11)
+    b, hq, hkv, n, d = 2, 6, 2, 300, 8
+    q, k = torch.randn(b, hq, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen)
+    q_pos = torch.arange(n).repeat(b, 1)
+    q_real = torch.ones(b, n, dtype=torch.bool)
+    if case == "padded":  # row 1 left-padded by 40
+        q_pos[1] = (torch.arange(n) - 40).clamp_min(0)
+        q_real[1, :40] = False
+    k_pos = q_pos.masked_fill(~q_real, SENTINEL).to(torch.int32).view(b, 1, n).expand(b, hkv, n).contiguous()
+    spec = AttentionSpec(scaling=d ** -0.5, window=50 if case == "window" else None,
+                         softcap=2.0 if case == "softcap" else None)
+    fast = []
+    monkeypatch.setattr(h2o, "_causal_prompt_attention", lambda *a: fast.append(1) or _fast_path(*a))
+    got = h2o.accumulated_attention(q, k, q_pos, q_real, k_pos, spec)
+    assert bool(fast) == (case == "prompt")
+
+    g = hq // hkv
+    logits = softcap(torch.einsum("bhgqd,bhkd->bhgqk", q.view(b, hkv, g, n, d), k) * spec.scaling, spec.softcap)
+    seen = visible(q_pos[:, None, None, :, None], k_pos[:, :, None, None, :], spec.window)
+    probs = logits.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
+    want = (probs * q_real[:, None, None, :, None]).sum((2, 3))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", SELECTION_METHODS)
