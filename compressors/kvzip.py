@@ -32,7 +32,7 @@ import torch
 from kvcomp import validation
 from kvcomp.allocation import adaptive_keep
 from kvcomp.compressor import Capabilities, CompressorError
-from kvcomp.ops import attention_probs, rows_per_chunk, visible
+from kvcomp.ops import attention_probs, rows_per_chunk, softcap, softmax, visible
 from kvcomp.ragged import RaggedStore
 from kvcomp.replay import replay
 from kvcomp.selection import TokenSelection, compact, select_top, store_from_block
@@ -184,18 +184,27 @@ def attend_and_score(q, ctx, context, block, protected: int, start: int, stop: i
     K/V are read in place (never concatenated with the block's: that copy would be a layer's K/V on top of
     the full prompt KV this pass already holds)."""
     (ck, cv, cpos), (bk, bv, bpos) = context, block
-    positions = torch.cat([cpos.to(bpos.dtype), bpos], dim=2)
     b, hq, m, d = q.shape
     hkv, n_ctx = ck.shape[1], ck.shape[2]
     g = hq // hkv
+    # On a full-attention layer every prefilled token comes before the repetition: with no empty slot in the
+    # context, only the repetition's own (causal) part needs a mask.
+    context_mask = None
+    if ctx.spec.window is not None or not bool((cpos < bpos.min()).all()):
+        context_mask = cpos.to(bpos.dtype)
+    # The repetition's keys are its own queries (positions in order): queries lo:hi see none of the keys after
+    # hi, so those are neither multiplied nor masked, and the keys before lo need no mask.
+    own = bpos.shape[2] == m and bool((bpos == ctx.query_positions[:, None, :]).all())
     out = torch.empty_like(q)
     best = torch.zeros(b, hkv, stop - start, dtype=torch.float32, device=q.device)
-    step = rows_per_chunk(b * hq, positions.shape[-1], budget=_REPLAY_PROBS)
+    step = rows_per_chunk(b * hq, n_ctx + bk.shape[2], budget=_REPLAY_PROBS)
     for lo in range(0, m, step):
         hi = min(m, lo + step)
         rows = hi - lo
-        probs = _row_probs(q, lo, hi, (ck, bk), positions, ctx)
-        mixed = torch.matmul(probs[..., :n_ctx].to(cv.dtype), cv) + torch.matmul(probs[..., n_ctx:].to(bv.dtype), bv)
+        width, masked_from = (hi, lo) if own else (bk.shape[2], 0)
+        probs = _replay_probs(q, lo, hi, ck, bk[:, :, :width], bpos[..., :width], masked_from, context_mask, ctx)
+        mixed = (torch.matmul(probs[..., :n_ctx].to(cv.dtype), cv)
+                 + torch.matmul(probs[..., n_ctx:].to(bv.dtype), bv[:, :, :width]))
         out[:, :, lo:hi] = mixed.view(b, hkv, g, rows, d).reshape(b, hq, rows, d)
         chunk = probs[..., start:stop]
         total = probs[..., :protected].sum(-1) + chunk.sum(-1) + probs[..., n_ctx:].sum(-1)
@@ -203,6 +212,29 @@ def attend_and_score(q, ctx, context, block, protected: int, start: int, stop: i
             total = total + (1.0 - probs.sum(-1)).clamp_min(0.0)  # the sink's share stays in the denominator
         best = torch.maximum(best, chunk.div_(total.clamp_min(1e-30).unsqueeze(-1)).amax(2))
     return out, best
+
+
+def _replay_probs(q, lo: int, hi: int, ck, bk, bpos, masked_from: int, context_mask, ctx) -> torch.Tensor:
+    """Probabilities ``[B, H_kv, G * (hi - lo), n_ctx + n_blk]`` of the repetition queries ``lo:hi`` over the
+    context keys ``ck`` then the repetition keys ``bk``, grouped per KV head, with the layer's soft-cap and sinks:
+    both products written into one buffer (no concatenation), the scale folded into the queries, and the
+    visibility rule applied to the repetition's columns from ``masked_from`` on (and to the context's only when
+    ``context_mask``, its positions, is given: a sliding layer or a context with empty slots)."""
+    b, hq, _, d = q.shape
+    hkv, n_ctx, n_blk = ck.shape[1], ck.shape[2], bk.shape[2]
+    g, rows = hq // hkv, hi - lo
+    qg = (q[:, :, lo:hi] * ctx.spec.scaling).reshape(b, hkv, g * rows, d)
+    logits = torch.empty(b, hkv, g * rows, n_ctx + n_blk, dtype=qg.dtype, device=q.device)
+    torch.matmul(qg, ck.transpose(-1, -2), out=logits[..., :n_ctx])
+    torch.matmul(qg, bk.transpose(-1, -2), out=logits[..., n_ctx:])
+    logits = softcap(logits.float(), ctx.spec.softcap)
+    q_pos = ctx.query_positions[:, None, None, lo:hi, None]
+    for cols, k_pos in ((slice(n_ctx + masked_from, None), bpos[..., masked_from:]),
+                        (slice(None, n_ctx), context_mask)):
+        if k_pos is not None:
+            hidden = ~visible(q_pos, k_pos[:, :, None, None, :], ctx.spec.window)  # [B, H_kv, 1, rows, L]
+            logits[..., cols].view(b, hkv, g, rows, -1).masked_fill_(hidden, float("-inf"))
+    return softmax(logits, ctx.spec.grouped_sinks(hkv, rows, q.device))
 
 
 def _row_probs(q, lo: int, hi: int, keys, positions, ctx) -> torch.Tensor:

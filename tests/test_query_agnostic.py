@@ -516,17 +516,28 @@ def test_shared_prefill_equals_own_prefill_for_the_new_methods(tiny64, query_awa
         assert shared_stats["cache"].memory_factor() > 1.3, compressor
 
 
-@pytest.mark.parametrize("spec", [AttentionSpec(scaling=0.4), AttentionSpec(scaling=0.4, softcap=3.0),
-                                  AttentionSpec(scaling=0.4, sinks=torch.tensor([0.3, -0.2, 1.0, 0.0]))],
-                         ids=["plain", "softcap", "sinks"])
-def test_kvzip_attention_and_scores_from_one_pass_equal_the_direct_forms(spec):
+@pytest.mark.parametrize("spec,hole", [
+    (AttentionSpec(scaling=0.4), False), (AttentionSpec(scaling=0.4, softcap=3.0), False),
+    (AttentionSpec(scaling=0.4, sinks=torch.tensor([0.3, -0.2, 1.0, 0.0])), False),
+    (AttentionSpec(scaling=0.4), True), (AttentionSpec(scaling=0.4, window=20), False)],
+    ids=["plain", "softcap", "sinks", "empty-slot", "window"])
+@pytest.mark.parametrize("rows", [None, 2], ids=["one-block", "2-row-blocks"])
+def test_kvzip_attention_and_scores_from_one_pass_equal_the_direct_forms(monkeypatch, spec, hole, rows):
+    import compressors.kvzip
     from compressors.kvzip import attend_and_score
+
+    if rows:  # query blocks of 2 rows (4 grouped rows x 37 keys): the repetition's keys cut at each block's end
+        monkeypatch.setattr(compressors.kvzip, "_REPLAY_PROBS", rows * 2 * 2 * 37)
 
     gen = torch.Generator().manual_seed(1)
     b, hkv, g, d, n_ctx, m = 1, 2, 2, 8, 30, 7
     ck, cv = torch.randn(b, hkv, n_ctx, d, generator=gen), torch.randn(b, hkv, n_ctx, d, generator=gen)
     bk, bv = torch.randn(b, hkv, m, d, generator=gen), torch.randn(b, hkv, m, d, generator=gen)
     cpos = torch.arange(n_ctx).expand(b, hkv, n_ctx)
+    if hole:  # an empty slot in the chunk (a row that kept fewer tokens): masked, however large its logit
+        cpos = cpos.clone()
+        cpos[:, :, 15] = SENTINEL
+        ck[:, :, 15] = 50.0
     bpos = (n_ctx + torch.arange(m)).expand(b, hkv, m)
     q = torch.randn(b, hkv * g, m, d, generator=gen)
     ctx = dataclasses.replace(ctx_for(bpos, bpos[:, 0], spec=spec), spec=spec)
