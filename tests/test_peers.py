@@ -47,3 +47,17 @@ def test_kvcomp_report_reads_peer_runs_beside_its_own(tmp_path):
     assert (row.score_kvcomp, row.score_kvpress, row.memory_factor_kvpress, row.seconds_kvpress) == (100.0, 50.0, 4.0, 8.0)
     written = compare(tmp_path / "grid", peers, tmp_path / "report")
     assert "| ruler/niah_single_1 | 4096 | query_agnostic | tova | 0.75 |" in written["side_by_side_md"].read_text()
+
+
+def test_peer_shards_merge_into_the_run_one_process_writes(tmp_path):
+    rows, summary = records.read_run(RUN)
+    relative = RUN.relative_to(FIXTURE)
+    for i, row in enumerate(rows):  # one sample per shard, the later one in shard 0
+        records.write_run(records.shard_dir(tmp_path, 1 - i, 2) / relative, [row])
+    assert records.merge_shards(tmp_path) == 1
+    merged, merged_summary = records.read_run(tmp_path / relative)
+    assert merged == sorted(rows, key=lambda r: r["id"])
+    assert {**merged_summary, "run_dir": None} == {**summary, "run_dir": None}
+    records.write_run(records.shard_dir(tmp_path, 2, 3) / relative, [rows[0]])  # a sample twice: refused
+    with pytest.raises(ValueError, match="in two shards"):
+        records.merge_shards(tmp_path)

@@ -16,10 +16,13 @@ import pandas as pd
 from experiments.report import collect, make_report
 from kvcomp import files
 
-# kvcomp name -> kvpress press name, where the two implement the same method.
+# kvcomp method (as the report names it: non-default parameters in brackets) -> kvpress press name, where the two
+# implement the same method. kvpress's allocators wrap Expected Attention (kvcomp's default scorer) except
+# PyramidKV, whose budgets kvpress puts on SnapKV; CriticalAdaKV is AdaKV over CriticalKV.
 SHARED = {"none": "none", "streaming_llm": "streaming_llm", "knorm": "knorm", "keydiff": "keydiff", "tova": "tova",
           "snapkv": "snapkv", "expected_attention": "expected_attention", "kvzip": "kvzip", "adakv": "adakv",
-          "criticalkv": "criticalkv", "pyramidkv": "pyramidkv"}
+          "criticalkv": "criticalkv", "adakv[scorer=criticalkv]": "criticaladakv",
+          "pyramidkv[scorer=snapkv]": "pyramidkv"}
 
 
 def side_by_side(df: pd.DataFrame) -> pd.DataFrame:

@@ -2,6 +2,7 @@
 
     .venv-peers/bin/python experiments/peers/kvpress_run.py --samples runs/peers/samples.jsonl \
         --presses none tova:0.75 knorm:0.75 --out runs/peers
+    (two processes: the same command with --shard 0/2 and --shard 1/2, then --merge --out runs/peers)
 
 Each sample's context ids are prefilled with ``model.model`` inside the press's context manager (as kvpress's
 pipeline does), then the question ids and a greedy generation of ``max_new_tokens`` without it (query-agnostic;
@@ -104,7 +105,19 @@ def main(argv=None) -> int:
     parser.add_argument("--presses", nargs="+", default=["none", "tova:0.75"], metavar="PRESS[:RATIO]")
     parser.add_argument("--out", default="runs/peers")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shard", metavar="I/N", help="run only every N-th sample from the I-th (0-based), into "
+                        "OUT/shards/I-of-N; run each shard in its own process, then --merge")
+    parser.add_argument("--merge", action="store_true", help="merge OUT/shards/* into OUT (no model is loaded)")
     args = parser.parse_args(argv)
+    if args.merge:
+        print(f"{peer_records.merge_shards(Path(args.out))} runs merged into {args.out}")
+        return 0
+    index, count = 0, 1
+    if args.shard:
+        index, count = (int(x) for x in args.shard.split("/"))
+        if not 0 <= index < count:
+            raise SystemExit(f"--shard {args.shard}: I must be in 0..N-1")
+        args.out = str(peer_records.shard_dir(Path(args.out), index, count))
 
     import kvpress
     import torch
@@ -113,7 +126,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    samples = [json.loads(line) for line in Path(args.samples).read_text().splitlines() if line.strip()]
+    samples = [json.loads(line) for line in Path(args.samples).read_text().splitlines() if line.strip()][index::count]
     references: dict[tuple, list[int]] = {}
     specs = ["none", *[p for p in args.presses if p != "none"]]
     for spec in specs:

@@ -109,3 +109,30 @@ def read_run(directory: Path) -> tuple[list[dict], dict]:
     records = [check_record(json.loads(line)) for line in (directory / "results.jsonl").read_text().splitlines()
                if line.strip()]
     return records, json.loads((directory / "summary.json").read_text())
+
+
+def shard_dir(out: Path, index: int, count: int) -> Path:
+    """Where shard ``index`` of ``count`` writes its runs (``kvpress_run.py --shard I/N``)."""
+    return Path(out) / "shards" / f"{index}-of-{count}"
+
+
+def merge_shards(out: Path) -> int:
+    """Merge the runs of every shard under ``<out>/shards/`` into ``out`` (one run directory per press, task,
+    length and mode, the records of all shards in sample order); returns the number of run directories
+    written. A sample found in two shards, or shards run with different press settings, is an error: a merge
+    never drops or double-counts a record."""
+    out = Path(out)
+    groups: dict[Path, list[dict]] = {}
+    for summary in sorted((out / "shards").glob("*/**/summary.json")):
+        shard = summary.relative_to(out / "shards").parts[0]
+        relative = summary.parent.relative_to(out / "shards" / shard)
+        rows, _ = read_run(summary.parent)
+        groups.setdefault(relative, []).extend(rows)
+    for relative, rows in groups.items():
+        ids = [r["id"] for r in rows]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{relative}: a sample is in two shards ({sorted(i for i in ids if ids.count(i) > 1)[:3]})")
+        if len({json.dumps(r["compressor"], sort_keys=True) for r in rows}) != 1:
+            raise ValueError(f"{relative}: the shards ran different press settings")
+        write_run(out / relative, sorted(rows, key=lambda r: r["id"]))
+    return len(groups)
