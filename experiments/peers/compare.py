@@ -18,9 +18,11 @@ from kvcomp import files
 
 # kvcomp method (as the report names it: non-default parameters in brackets) -> kvpress press name, where the two
 # implement the same method. kvpress's allocators wrap Expected Attention (kvcomp's default scorer) except
-# PyramidKV, whose budgets kvpress puts on SnapKV; CriticalAdaKV is AdaKV over CriticalKV.
+# PyramidKV, whose budgets kvpress puts on SnapKV; CriticalAdaKV is AdaKV over CriticalKV; KVzip with one
+# ratio per layer (heads sharing it) is kvpress's layerwise=True.
 SHARED = {"none": "none", "streaming_llm": "streaming_llm", "knorm": "knorm", "keydiff": "keydiff", "tova": "tova",
-          "snapkv": "snapkv", "expected_attention": "expected_attention", "kvzip": "kvzip", "adakv": "adakv",
+          "snapkv": "snapkv", "expected_attention": "expected_attention", "kvzip": "kvzip",
+          "kvzip[level=layer]": "kvzip_layer", "adakv": "adakv",
           "criticalkv": "criticalkv", "adakv[scorer=criticalkv]": "criticaladakv",
           "pyramidkv[scorer=snapkv]": "pyramidkv"}
 

@@ -41,6 +41,7 @@ def make_press(name: str, ratio: float):
         "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio),
         "expected_attention": lambda: ea(compression_ratio=ratio),
         "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio),
+        "kvzip_layer": lambda: kvpress.KVzipPress(compression_ratio=ratio, layerwise=True),
         "adakv": lambda: kvpress.AdaKVPress(ea(compression_ratio=ratio)),
         "criticalkv": lambda: kvpress.CriticalKVPress(ea(compression_ratio=ratio, use_vnorm=False)),
         "criticaladakv": lambda: kvpress.CriticalAdaKVPress(ea(compression_ratio=ratio, use_vnorm=False)),
