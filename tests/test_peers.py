@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from experiments.peers import records
@@ -47,6 +48,14 @@ def test_kvcomp_report_reads_peer_runs_beside_its_own(tmp_path):
     assert (row.score_kvcomp, row.score_kvpress, row.memory_factor_kvpress, row.seconds_kvpress) == (100.0, 50.0, 4.0, 8.0)
     written = compare(tmp_path / "grid", peers, tmp_path / "report")
     assert "| ruler/niah_single_1 | 4096 | query_agnostic | tova | 0.75 |" in written["side_by_side_md"].read_text()
+    # A sweep run in parts (another grid directory, here with a configuration kvpress does not have): one table.
+    other = tmp_path / "grid2" / "ruler_niah_single_1" / "L4096" / "agnostic" / "keydiff-0.75"
+    other.mkdir(parents=True)
+    (other / "summary.json").write_text(json.dumps({**ours, "compressor": {"name": "keydiff", "params": {
+        "compression_ratio": 0.75}}}))
+    written = compare([tmp_path / "grid", tmp_path / "grid2"], peers, tmp_path / "report2")
+    assert "| keydiff | 0.75 |" in written["markdown"].read_text()
+    assert pd.read_csv(written["side_by_side_csv"])["method"].tolist() == ["tova"]
 
 
 def test_peer_shards_merge_into_the_run_one_process_writes(tmp_path):

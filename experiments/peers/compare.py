@@ -1,4 +1,4 @@
-"""kvcomp and kvpress side by side: ``python -m experiments.peers.compare GRID PEERS --out DIR``.
+"""kvcomp and kvpress side by side: ``python -m experiments.peers.compare GRID [GRID ...] PEERS --out DIR``.
 
 Reads kvcomp's grid runs and the peer runs (:mod:`experiments.peers.records`) with ``kvcomp report``'s reader,
 writes the full report of both (``report.csv``, ``report.md``, plots) and ``side_by_side.md``/``.csv``: one row per
@@ -50,10 +50,12 @@ def _markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compare(grid: Path, peers: Path, out: Path) -> dict[str, Path]:
+def compare(grid: Path | list[Path], peers: Path, out: Path) -> dict[str, Path]:
+    """``grid``: one grid run directory, or several (a sweep run in parts, e.g. each query mode on its own)."""
+    grids = [Path(g) for g in grid] if isinstance(grid, (list, tuple)) else [Path(grid)]
     out = files.make_dirs(Path(out), Path(out).parent)
-    written = make_report([grid, peers], out)
-    table = side_by_side(collect([grid, peers]))
+    written = make_report([*grids, peers], out)
+    table = side_by_side(collect([*grids, peers]))
     written["side_by_side_csv"] = out / "side_by_side.csv"
     written["side_by_side_md"] = out / "side_by_side.md"
     with files.open_output(written["side_by_side_csv"], "w", newline="") as f:
@@ -66,11 +68,11 @@ def compare(grid: Path, peers: Path, out: Path) -> dict[str, Path]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("grid")
-    parser.add_argument("peers")
+    parser.add_argument("grid", nargs="+", help="kvcomp grid run directories (one or more)")
+    parser.add_argument("peers", help="the peer runs (kvpress_run.py --out)")
     parser.add_argument("--out", default="reports/side-by-side")
     args = parser.parse_args(argv)
-    for kind, path in compare(Path(args.grid), Path(args.peers), Path(args.out)).items():
+    for kind, path in compare([Path(g) for g in args.grid], Path(args.peers), Path(args.out)).items():
         print(f"{kind:20s} {path}")
     return 0
 
