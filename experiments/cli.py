@@ -8,6 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+# `kvcomp grid`'s columns when neither --compressors nor --configs names any.
+GRID_COMPRESSORS = ("streaming_llm", "h2o", "snapkv")
+
 
 def _list(args) -> int:
     from kvcomp import available
@@ -162,6 +165,8 @@ def _grid(args) -> int:
     from experiments.grid import OFFLINE_RULER, check_modes, run_table
     from kvcomp.registry import get
 
+    if args.compressors is None:  # the default columns, unless the configurations are listed one by one
+        args.compressors = [] if args.configs else list(GRID_COMPRESSORS)
     for name in [*args.compressors, *(parse_spec(s)[0] for s in args.configs)]:
         get(name)  # an unknown name fails before the model loads
     check_modes(args.modes)
@@ -399,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RULER task names or runner task names (default: the 11 RULER tasks that need no data)")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--samples", type=int, default=10)
-    p.add_argument("--compressors", nargs="+", default=["streaming_llm", "h2o", "snapkv"])
+    p.add_argument("--compressors", nargs="*", default=None,
+                   help="each at every --ratios (default: " + " ".join(GRID_COMPRESSORS) + ", unless --configs is "
+                        "given: then only those)")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
     p.add_argument("--modes", nargs="+", default=["agnostic", "aware"], choices=["agnostic", "aware"])
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",

@@ -63,6 +63,16 @@ def test_grid_writes_run_dirs_and_a_score_table(capsys, tmp_path):
     assert (tmp_path / "ruler_fwe/L1024/aware/snapkv-0.5/results.jsonl").read_text() == before
 
 
+def test_grid_with_only_configs_runs_only_those(tmp_path):
+    """--configs alone lists the columns (before: the three default compressors were added silently)."""
+    args = ["grid", "--model", "tiny", "--tasks", "niah_single_1", "--lengths", "512", "--samples", "1",
+            "--configs", "snapkv:compression_ratio=0.5", "--modes", "agnostic", "--max-new-tokens", "2",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    runs = sorted(p.parent.name for p in tmp_path.rglob("summary.json"))
+    assert runs == ["none", "snapkv-compression_ratio0.5"]
+
+
 def test_grid_unknown_compressor_fails_before_loading(capsys):
     assert main(["grid", "--compressors", "snapvk"]) == 2
     assert "Unknown compressor 'snapvk'" in capsys.readouterr().err
