@@ -111,6 +111,28 @@ def run_samples(run_dir: Path) -> dict[str, dict]:
             for r in load_records(run_dir / "results.jsonl")}
 
 
+def _once(rows: list[dict], samples: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The runs with a repeat left out: a run with the same task, length, mode, label, ratio, budget, model and
+    dtype as an earlier one, and the same per-sample scores and exact matches on the same sample ids (the
+    uncompressed reference that each part of a sweep run as several grids holds), is reported once, with a
+    warning naming both. Runs that share a label but not their samples or results stay: they are different
+    measurements."""
+    import warnings
+
+    first: dict[tuple, int] = {}
+    kept: list[int] = []
+    for i, row in enumerate(rows):
+        key = tuple(row.get(k) for k in ("task", "length", "mode", "label", "compression_ratio", "budget", "model",
+                                         "dtype"))
+        j = first.setdefault(key, i)
+        if j != i and samples[i] and samples[i] == samples[j]:
+            warnings.warn(f"{row['run_dir']} repeats {rows[j]['run_dir']} (same configuration, samples and "
+                          f"results): reported once", stacklevel=3)
+            continue
+        kept.append(i)
+    return [rows[i] for i in kept], [samples[i] for i in kept]
+
+
 def collect(paths: Iterable[str | Path] | str | Path, confidence: bool = True) -> pd.DataFrame:
     """One row per run found under ``paths``: kvcomp run directories, and kvpress evaluation directories
     (one row per task, :mod:`experiments.kvpress_format`). Columns: :data:`COLUMNS`, then with
@@ -121,7 +143,7 @@ def collect(paths: Iterable[str | Path] | str | Path, confidence: bool = True) -
     if isinstance(paths, (str, Path)):
         paths = [paths]
     runs = find_runs(paths)
-    rows, samples = [_row(d) for d in runs], [run_samples(d) for d in runs]
+    rows, samples = _once([_row(d) for d in runs], [run_samples(d) for d in runs])
     for d in find_kvpress_dirs(paths):
         for row, per_sample in read_kvpress_dir(d):
             rows.append(row)

@@ -70,3 +70,26 @@ def test_peer_shards_merge_into_the_run_one_process_writes(tmp_path):
     records.write_run(records.shard_dir(tmp_path, 2, 3) / relative, [rows[0]])  # a sample twice: refused
     with pytest.raises(ValueError, match="in two shards"):
         records.merge_shards(tmp_path)
+
+
+def test_a_run_repeated_in_two_grids_is_reported_once(tmp_path):
+    """The uncompressed reference of a sweep run as two grids over the same samples is one row (and one side of
+    every side-by-side match); a run that shares the label but not the results is a different measurement."""
+    summary = {"n": 2, "mode": "query_agnostic", "compressor": {"name": "none", "params": {}},
+               "task": "ruler/niah_single_1", "length": 4096, "score": 50.0, "memory_factor": 1.0,
+               "model": "m", "dtype": "float32"}
+    results = [{"id": "s0", "score": 100.0, "exact_match": True}, {"id": "s1", "score": 0.0, "exact_match": True}]
+
+    def run(root, rows):
+        d = root / "ruler_niah_single_1" / "L4096" / "agnostic" / "none"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps(summary))
+        (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    run(tmp_path / "a", results)
+    run(tmp_path / "b", results)
+    with pytest.warns(UserWarning, match="repeats .*reported once"):
+        df = collect([tmp_path / "a", tmp_path / "b"])
+    assert len(df) == 1 and df.iloc[0]["run_dir"].startswith(str((tmp_path / "a").resolve()))
+    run(tmp_path / "c", [results[0], {**results[1], "score": 100.0}])
+    assert len(collect([tmp_path / "a", tmp_path / "c"])) == 2
