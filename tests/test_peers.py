@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from experiments.peers import records
-from experiments.peers.compare import compare, side_by_side
+from experiments.peers.compare import compare, means, side_by_side
 from experiments.report import collect
 
 FIXTURE = Path(__file__).parent / "fixtures" / "peers"
@@ -48,6 +48,9 @@ def test_kvcomp_report_reads_peer_runs_beside_its_own(tmp_path):
     assert (row.score_kvcomp, row.score_kvpress, row.memory_factor_kvpress, row.seconds_kvpress) == (100.0, 50.0, 4.0, 8.0)
     written = compare(tmp_path / "grid", peers, tmp_path / "report")
     assert "| ruler/niah_single_1 | 4096 | query_agnostic | tova | 0.75 |" in written["side_by_side_md"].read_text()
+    two = pd.concat([table, table.assign(task="ruler/fwe", score_kvcomp=0.0, seconds_kvpress=4.0)])
+    mean = means(two).iloc[0]
+    assert (mean.tasks, mean.score_kvcomp, mean.score_kvpress, mean.seconds_kvpress) == (2, 50.0, 50.0, 6.0)
     # A sweep run in parts (another grid directory, here with a configuration kvpress does not have): one table.
     other = tmp_path / "grid2" / "ruler_niah_single_1" / "L4096" / "agnostic" / "keydiff-0.75"
     other.mkdir(parents=True)

@@ -3,7 +3,8 @@
 Reads kvcomp's grid runs and the peer runs (:mod:`experiments.peers.records`) with ``kvcomp report``'s reader,
 writes the full report of both (``report.csv``, ``report.md``, plots) and ``side_by_side.md``/``.csv``: one row per
 task, length, mode and (method, ratio) present on both sides, with score, exact match with each side's own
-uncompressed output, measured memory_factor and seconds per sample (prefill + decode).
+uncompressed output, measured memory_factor and seconds per sample (prefill + decode), then the same
+averaged over tasks.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def side_by_side(df: pd.DataFrame) -> pd.DataFrame:
     return merged.sort_values(keys).reset_index(drop=True)
 
 
+def means(table: pd.DataFrame) -> pd.DataFrame:
+    """:func:`side_by_side`'s rows averaged over tasks, per length, mode, method and ratio (every task weighs the
+    same; ``tasks`` counts them)."""
+    keys = ["length", "mode", "method", "ratio"]
+    out = table.groupby(keys, sort=True).mean(numeric_only=True).reset_index()
+    out.insert(len(keys), "tasks", table.groupby(keys, sort=True).size().to_numpy())
+    return out
+
+
 def _markdown(df: pd.DataFrame) -> str:
     lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
     for row in df.itertuples(index=False):
@@ -62,7 +72,8 @@ def compare(grid: Path | list[Path], peers: Path, out: Path) -> dict[str, Path]:
         table.to_csv(f, index=False)
     files.write_text(written["side_by_side_md"],
                      "kvcomp vs kvpress on the same samples: score (x100), exact match with each side's own "
-                     "uncompressed output, measured memory_factor, seconds per sample.\n\n" + _markdown(table))
+                     "uncompressed output, measured memory_factor, seconds per sample.\n\n" + _markdown(table)
+                     + "\nMean over tasks:\n\n" + _markdown(means(table)))
     return written
 
 
