@@ -41,7 +41,7 @@ def find_runs(paths: Iterable[str | Path]) -> list[Path]:
 
     The shards of a sharded grid (directories holding ``shard.json``) below a given path are skipped: their
     merge is the grid's runs. A path inside a shard is read as given."""
-    from experiments.shard import SHARD_MARKER
+    from experiments.shard import inside_shard
 
     runs = set()
     for p in paths:
@@ -51,8 +51,7 @@ def find_runs(paths: Iterable[str | Path]) -> list[Path]:
         if (p / "summary.json").is_file():
             runs.add(p.resolve())
         for s in p.rglob("summary.json"):
-            between = s.parent.relative_to(p).parents  # p/a/b/run -> a/b/run, a/b, a, .
-            if not any((p / d / SHARD_MARKER).is_file() for d in between if str(d) != "."):
+            if not inside_shard(s.parent, p):
                 runs.add(s.parent.resolve())
     return sorted(runs)
 

@@ -122,6 +122,14 @@ def shards_root(out_dir: str | os.PathLike) -> Path:
     return Path(out_dir) / SHARDS_DIR
 
 
+def inside_shard(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """Whether ``path`` (below ``root``) lies in a shard directory of a sharded grid: a directory between
+    ``root`` (excluded) and ``path`` holds :data:`SHARD_MARKER`. Readers of a grid take its merged files and skip
+    these, which hold the same samples again."""
+    root = Path(root)
+    return any((root / d / SHARD_MARKER).is_file() for d in Path(path).relative_to(root).parents if str(d) != ".")
+
+
 def shard_dir(out_dir: str | os.PathLike, shard: Shard) -> Path:
     return shards_root(out_dir) / shard.name
 

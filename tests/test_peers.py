@@ -96,3 +96,21 @@ def test_a_run_repeated_in_two_grids_is_reported_once(tmp_path):
     assert len(df) == 1 and df.iloc[0]["run_dir"].startswith(str((tmp_path / "a").resolve()))
     run(tmp_path / "c", [results[0], {**results[1], "score": 100.0}])
     assert len(collect([tmp_path / "a", tmp_path / "c"])) == 2
+
+
+def test_export_reads_a_sharded_grid_once(tmp_path):
+    """A sharded grid holds its samples twice (the merge and the shards); the export takes the merged ones, and a
+    grid of shards alone is refused with the merge to run."""
+    from experiments.peers.export import grid_sample_sets
+
+    grid = tmp_path / "grid"
+    for part in ("", "shards/0-of-2/", "shards/1-of-2/"):
+        d = grid / f"{part}ruler_niah_single_1" / "L4096" / "agnostic"
+        d.mkdir(parents=True)
+        (d / "reference.jsonl").write_text("")
+    for i in (0, 1):
+        (grid / "shards" / f"{i}-of-2" / "shard.json").write_text("{}")
+    assert [s[:3] for s in grid_sample_sets(grid)] == [("ruler/niah_single_1", 4096, "agnostic")]
+    (grid / "ruler_niah_single_1" / "L4096" / "agnostic" / "reference.jsonl").unlink()
+    with pytest.raises(ValueError, match="merge them first"):
+        grid_sample_sets(grid)

@@ -14,13 +14,18 @@ import json
 from pathlib import Path
 
 
-def grid_sample_sets(grid: Path):
+def grid_sample_sets(grid: Path) -> list[tuple[str, int, str, Path]]:
     """``(task, length, mode, directory)`` of every task/length/mode directory of a grid run (holding a
-    ``reference.jsonl``)."""
-    for ref in sorted(Path(grid).rglob("reference.jsonl")):
-        mode_dir = ref.parent
-        length = int(mode_dir.parent.name.removeprefix("L"))
-        yield mode_dir.parent.parent.name.replace("_", "/", 1), length, mode_dir.name, mode_dir
+    ``reference.jsonl``), the merged grid's only: a sharded grid's shards hold the same samples again."""
+    from experiments.shard import inside_shard
+
+    grid = Path(grid)
+    refs = sorted(grid.rglob("reference.jsonl"))
+    merged = [ref.parent for ref in refs if not inside_shard(ref.parent, grid)]
+    if refs and not merged:
+        raise ValueError(f"{grid} holds only the shards of a grid: merge them first (kvcomp grid merge {grid}).")
+    return [(d.parent.parent.name.replace("_", "/", 1), int(d.parent.name.removeprefix("L")), d.name, d)
+            for d in merged]
 
 
 def export(grid: Path, out: Path, model: str | None = None) -> int:

@@ -127,7 +127,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    samples = [json.loads(line) for line in Path(args.samples).read_text().splitlines() if line.strip()][index::count]
+    samples = [json.loads(line) for line in Path(args.samples).read_text().splitlines() if line.strip()]
+    repeated = sorted({s["id"] for s in samples if sum(t["id"] == s["id"] and t["mode"] == s["mode"] for t in samples) > 1})
+    if repeated:  # the shards would both run it, and their merge refuses it
+        raise SystemExit(f"{args.samples}: {len(repeated)} samples appear twice (first: {repeated[0]}); export the "
+                         "grid again with this version of experiments.peers.export")
+    samples = samples[index::count]
     references: dict[tuple, list[int]] = {}
     specs = ["none", *[p for p in args.presses if p != "none"]]
     for spec in specs:
