@@ -70,6 +70,9 @@ def test_peer_shards_merge_into_the_run_one_process_writes(tmp_path):
     merged, merged_summary = records.read_run(tmp_path / relative)
     assert merged == sorted(rows, key=lambda r: r["id"])
     assert {**merged_summary, "run_dir": None} == {**summary, "run_dir": None}
+    from experiments.shard import SHARD_MARKER
+    assert records.SHARD_MARKER == SHARD_MARKER  # the report skips the shards: each sample counted once
+    assert collect(tmp_path)["n"].tolist() == [2]
     records.write_run(records.shard_dir(tmp_path, 2, 3) / relative, [rows[0]])  # a sample twice: refused
     with pytest.raises(ValueError, match="in two shards"):
         records.merge_shards(tmp_path)

@@ -100,7 +100,7 @@ def run_sample(model, tokenizer, sample: dict, press):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", required=True, help="from python -m experiments.peers.export (kvcomp's venv)")
+    parser.add_argument("--samples", help="from python -m experiments.peers.export (kvcomp's venv; not with --merge)")
     parser.add_argument("--model", default=str(Path.home() / ".cache/kvcomp/smollm2-135m-instruct-v1-float32"),
                         help="a local model directory (default: kvcomp's cached float32 SmolLM2-135M-Instruct)")
     parser.add_argument("--presses", nargs="+", default=["none", "tova:0.75"], metavar="PRESS[:RATIO]")
@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     if args.merge:
         print(f"{peer_records.merge_shards(Path(args.out))} runs merged into {args.out}")
         return 0
+    if not args.samples:
+        parser.error("--samples is required (a file from python -m experiments.peers.export), except with --merge")
     index, count = 0, 1
     if args.shard:
         index, count = (int(x) for x in args.shard.split("/"))

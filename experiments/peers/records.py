@@ -111,9 +111,20 @@ def read_run(directory: Path) -> tuple[list[dict], dict]:
     return records, json.loads((directory / "summary.json").read_text())
 
 
+# The file that marks a shard directory, as kvcomp's sharded grid marks its own (experiments.shard.SHARD_MARKER):
+# `kvcomp report` skips the runs below it, which the merge holds again.
+SHARD_MARKER = "shard.json"
+
+
 def shard_dir(out: Path, index: int, count: int) -> Path:
-    """Where shard ``index`` of ``count`` writes its runs (``kvpress_run.py --shard I/N``)."""
-    return Path(out) / "shards" / f"{index}-of-{count}"
+    """Where shard ``index`` of ``count`` writes its runs (``kvpress_run.py --shard I/N``): created, with its
+    :data:`SHARD_MARKER`."""
+    directory = Path(out) / "shards" / f"{index}-of-{count}"
+    directory.mkdir(parents=True, exist_ok=True)
+    marker = directory / SHARD_MARKER
+    if not marker.is_file():
+        marker.write_text(json.dumps({"index": index, "count": count}) + "\n")
+    return directory
 
 
 def merge_shards(out: Path) -> int:
