@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     samples = [json.loads(line) for line in Path(args.samples).read_text().splitlines() if line.strip()]
-    repeated = sorted({s["id"] for s in samples if sum(t["id"] == s["id"] and t["mode"] == s["mode"] for t in samples) > 1})
+    repeated = sorted(key[0] for key, n in Counter((s["id"], s["mode"]) for s in samples).items() if n > 1)
     if repeated:  # the shards would both run it, and their merge refuses it
         raise SystemExit(f"{args.samples}: {len(repeated)} samples appear twice (first: {repeated[0]}); export the "
                          "grid again with this version of experiments.peers.export")
