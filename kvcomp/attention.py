@@ -198,9 +198,13 @@ def check_rope(model, rotate, layer_type: str = "full_attention") -> None:
             expected = torch.cat([apply(x[..., :rot], x[..., :rot], cos, sin)[0], x[..., rot:]], dim=-1)
         ours = rotate(x, positions.view(1, 1, -1))
     if ours.shape != expected.shape or not torch.allclose(ours.float(), expected.float(), rtol=1e-4, atol=1e-4):
+        measured = (f"shapes {tuple(ours.shape)} and {tuple(expected.shape)}" if ours.shape != expected.shape else
+                    f"max |difference| {(ours.float() - expected.float()).abs().max().item():.3g}, "
+                    f"non-finite values: model {int((~expected.isfinite()).sum())}, kvcomp {int((~ours.isfinite()).sum())}")
         raise UnsupportedModel(
             f"{_model_type(model)!r} rotates keys differently from the rotate-half RoPE kvcomp undoes "
-            "(e.g. interleaved channels), so methods that work on pre-RoPE keys (KVTC) cannot run on it exactly."
+            f"(e.g. interleaved channels), so methods that work on pre-RoPE keys (KVTC) cannot run on it exactly "
+            f"(checked on {layer_type} layers: {measured})."
         )
 
 
