@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from kvcomp import validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext
-from kvcomp.ops import dense_attention
+from kvcomp.ops import dense_attention, take_slots
 from kvcomp.tiers import TIER_KINDS, FetchRequest, Prefetcher, Tier, make_tier
 
 CORRECTIONS = ("cosine", "missed")
@@ -440,8 +440,7 @@ def _complete(spec, wanted: torch.Tensor, fixed, unit: int, width: int):
         nbytes += fixed.nbytes
     order = torch.where(index >= 0, index, torch.iinfo(index.dtype).max).argsort(dim=-1, stable=True)[..., :width]
     index = index.gather(-1, order)
-    take = order.unsqueeze(-1).expand(*order.shape, keys.shape[-1])
-    keys, values = keys.gather(2, take), values.gather(2, take)
+    keys, values = take_slots(keys, order), take_slots(values, order)
     return type(spec)(FetchRequest(spec.request.tier, spec.request.layer, index), keys, values, nbytes, spec.version)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from kvcomp import validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext
-from kvcomp.ops import dense_attention, horizon
+from kvcomp.ops import dense_attention, horizon, take_slots
 from kvcomp.ragged import RaggedStore, ragged_attention
 
 
@@ -81,12 +81,11 @@ class TokenStore:
 
     def gather(self, index: torch.Tensor, keep: torch.Tensor) -> TokenStore:
         """Keep slots ``index`` (``[B, H_kv, L']``); ``keep`` (same shape, bool) marks which are real."""
-        d = self.keys.shape[-1]
-        idx = index.unsqueeze(-1).expand(-1, -1, -1, d)
         positions = torch.where(keep, self.positions.gather(2, index), SENTINEL)
         scores = None if self.scores is None else self.scores.gather(2, index).masked_fill(~keep, 0.0)
         aux = None if self.aux is None else self.aux.gather(2, index).masked_fill(~keep, float("nan"))
-        return TokenStore(self.keys.gather(2, idx), self.values.gather(2, idx), positions, scores, aux, self.extra)
+        return TokenStore(take_slots(self.keys, index), take_slots(self.values, index), positions, scores, aux,
+                          self.extra)
 
     def cat(self, other: TokenStore) -> TokenStore:
         scores = aux = None
@@ -164,6 +163,8 @@ def select_top(store: TokenStore, scores: torch.Tensor, budget: torch.Tensor) ->
     """
     n_slots = scores.shape[-1]
     width = int(budget.max().clamp(max=n_slots))
+    if store.all_real and width == n_slots - 1 and int(budget.min()) == width:
+        return drop_lowest(store, scores)
     scores = scores.float().masked_fill(~store.valid, float("-inf"))
     top = scores.topk(width, dim=-1).indices  # [B, H, width]
     rank = torch.arange(width, device=scores.device)
@@ -173,6 +174,18 @@ def select_top(store: TokenStore, scores: torch.Tensor, budget: torch.Tensor) ->
     order_key = torch.where(keep, store.positions.gather(2, top).long(), SENTINEL + n_slots)
     order = order_key.argsort(dim=-1)
     return store.gather(top.gather(2, order), keep.gather(2, order))
+
+
+def drop_lowest(store: TokenStore, scores: torch.Tensor) -> TokenStore:
+    """Evict the lowest-scoring slot of each row and KV head of an unpadded store (``scores`` ``[B, H_kv, L]``),
+    keeping position order: what :func:`select_top` does when one token per head must go (a decode step of an
+    evicting method), with an argmin instead of a top-k and a sort. Ties: the oldest goes; a NaN score (a token
+    not scored yet) ranks above every number, as in top-k."""
+    scores = scores.float()
+    drop = torch.where(scores.isnan(), float("inf"), scores).argmin(-1, keepdim=True)  # [B, H_kv, 1]
+    slots = torch.arange(scores.shape[-1] - 1, device=scores.device)
+    index = slots + (slots >= drop)  # [B, H_kv, L - 1]: every slot but the dropped one, in order
+    return store.gather(index, torch.ones_like(index, dtype=torch.bool)).replace(all_real=True)
 
 
 def store_from_block(k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> TokenStore:

@@ -148,3 +148,43 @@ def test_a_sliced_store_keeps_extending_in_place():
         store, reference = store.slice(1).extend(token), reference.slice(1).cat(token)
         assert _same(store, reference)
     assert store._buffers[0].data_ptr() == ptr
+
+
+def test_take_slots_equals_gather_on_contiguous_and_sliced_tensors():
+    from kvcomp.ops import take_slots
+
+    x = torch.randn(2, 3, 40, 8, generator=torch.Generator().manual_seed(0))
+    index = torch.randint(0, 30, (2, 3, 17), generator=torch.Generator().manual_seed(1))
+    for t in (x, x[:, :, 5:35]):  # the second is a view of a larger buffer (not contiguous)
+        want = t.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1]))
+        assert torch.equal(take_slots(t, index), want)
+    assert torch.equal(take_slots(x[..., 0], index), x[..., 0].gather(2, index))  # no trailing dimension
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dropping_one_token_per_head_keeps_what_the_general_top_k_keeps(seed):
+    """A decode step of an evicting method drops one token per head (:func:`drop_lowest`, an argmin); with
+    distinct scores it keeps exactly what the general path keeps (a top-k and a sort by position), including
+    +inf scores (StreamingLLM's sinks) and NaN ones (tokens not scored yet: kept, as top-k ranks NaN highest)."""
+    from kvcomp import selection
+
+    g = torch.Generator().manual_seed(seed)
+    store = _store(50).replace(all_real=True)
+    scores = torch.randperm(2 * 3 * 50, generator=g).float().view(2, 3, 50)
+    scores[..., :2] = float("inf")
+    scores[:, seed % 3, 10 + seed] = float("nan")
+    scores[:, (seed + 1) % 3, 20] = -5.0  # the lowest of that head
+    budget = torch.tensor([49, 49])
+    fast = selection.select_top(store, scores, budget)
+    general = selection.select_top(store.replace(all_real=False), scores, budget)  # all_real unknown: top-k path
+    assert _same(fast, general) and fast.all_real
+    assert fast.keys.shape[2] == 49
+    assert not (fast.positions[0, (seed + 1) % 3] == 20).any()
+
+
+def test_ties_drop_the_oldest_token():
+    from kvcomp import selection
+
+    store = _store(6).replace(all_real=True)
+    kept = selection.drop_lowest(store, torch.tensor([[[3.0, 1.0, 2.0, 1.0, 5.0, 1.0]] * 3] * 2))
+    assert kept.positions[0, 0].tolist() == [0, 2, 3, 4, 5]
