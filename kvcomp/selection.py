@@ -340,14 +340,20 @@ class TokenSelection(Compressor):
         return compact(store) if nothing_evicted else self.select(store, scores, budget, ctx)
 
     def append(self, layer, state, k, v, ctx):
-        # A store that only grows while decoding extends in place; one that evicts is rebuilt every step anyway,
-        # and a sliding layer's is bounded (it holds exactly what transformers' own sliding layer holds).
-        growable = isinstance(state, TokenStore) and not self.capabilities.decode_time and ctx.spec.window is None
+        # A store that grows for several steps between evictions extends in place; one that evicts every step is
+        # rebuilt every step anyway, and a sliding layer's is bounded (it holds exactly what transformers' own
+        # sliding layer holds).
+        growable = isinstance(state, TokenStore) and self.grows_between_evictions() and ctx.spec.window is None
         grow = state.extend if growable else state.cat
         store = compact(grow(store_of_new(k, v, ctx)))
         if not self.capabilities.decode_time or self.evict_after_attention:
             return store
         return self.evict(store, ctx)
+
+    def grows_between_evictions(self) -> bool:
+        """Whether a decode step usually appends without evicting (then appends write into spare slots instead of
+        copying the store): True unless the method evicts at every step."""
+        return not self.capabilities.decode_time
 
     def evict(self, store, ctx: LayerContext):
         """The store brought back to this step's budget with :meth:`decode_score` (a ragged store is scored in a

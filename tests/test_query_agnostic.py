@@ -350,6 +350,34 @@ def test_decode_evict_interval_lets_the_cache_grow_between_evictions(tiny):
     assert max(sizes) == 64 + 3 and sizes.count(64) >= 9
 
 
+def test_decode_evict_with_an_interval_appends_in_place_and_decodes_as_copying_appends_do(tiny):
+    """Between evictions the store grows into spare slots (no copy of the whole store per step); the logits are
+    those of appending by concatenation (the path of a method that evicts every step)."""
+
+    class Copying(DecodeEvict):
+        def grows_between_evictions(self) -> bool:
+            return False
+
+    model, tokenizer = tiny
+    text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(300))  # > 1024 tokens: a store with spare slots
+    runs = {}
+    for kind in (DecodeEvict, Copying):
+        cache, out, _ = prefilled(model, tokenizer, kind(scorer="keydiff", target_size=1024, interval=16), text)
+        next_id, logits, copies, previous = out.logits[:, -1].argmax(-1, keepdim=True), [], 0, None
+        with torch.inference_mode():
+            for _ in range(40):
+                step = model(input_ids=next_id, cache=cache, use_cache=True).logits[:, -1]
+                next_id = step.argmax(-1, keepdim=True)
+                logits.append(step)
+                buffers = getattr(cache.layers[0].state, "_buffers", None)
+                copies += buffers is None or previous is None or buffers[0] is not previous
+                previous = None if buffers is None else buffers[0]
+        runs[kind] = torch.stack(logits), copies
+    (logits, in_place), (copied_logits, copied) = runs[DecodeEvict], runs[Copying]
+    assert torch.equal(logits, copied_logits)
+    assert copied == 40 and in_place <= 12, (in_place, copied)
+
+
 def test_decode_evict_over_an_allocator_keeps_its_head_wise_budget(tiny):
     model, tokenizer = tiny
     cache, out, _ = prefilled(model, tokenizer, DecodeEvict(scorer=AdaKV(scorer="knorm"), target_size=48))
