@@ -48,6 +48,7 @@ import torch
 from kvcomp import kernels, validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError
 from kvcomp.kernels import quant_ref
+from kvcomp.ops import take_slots
 from kvcomp.selection import TokenStore, compact, store_of_new
 
 _DECODE_BLOCK = 4096  # tokens dequantized at a time in attend() on the CPU (a few MB: stays in cache)
@@ -256,8 +257,4 @@ def _compact_groups(groups: list[torch.Tensor]) -> list[torch.Tensor]:
     width = int(used.sum(-1).max())
     order = torch.where(used, torch.arange(n, device=used.device), n + torch.arange(n, device=used.device))
     index = order.argsort(dim=-1)[..., :width]  # [B, H, width]
-    out = []
-    for t in groups:
-        idx = index.view(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
-        out.append(t.gather(2, idx))
-    return out
+    return [take_slots(t, index) for t in groups]

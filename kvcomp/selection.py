@@ -79,13 +79,18 @@ class TokenStore:
     def stored_tokens(self) -> torch.Tensor:
         return self.valid.sum(-1)
 
-    def gather(self, index: torch.Tensor, keep: torch.Tensor) -> TokenStore:
-        """Keep slots ``index`` (``[B, H_kv, L']``); ``keep`` (same shape, bool) marks which are real."""
-        positions = torch.where(keep, self.positions.gather(2, index), SENTINEL)
-        scores = None if self.scores is None else self.scores.gather(2, index).masked_fill(~keep, 0.0)
-        aux = None if self.aux is None else self.aux.gather(2, index).masked_fill(~keep, float("nan"))
+    def gather(self, index: torch.Tensor, keep: torch.Tensor | None = None) -> TokenStore:
+        """Keep slots ``index`` (``[B, H_kv, L']``); ``keep`` (same shape, bool) marks which are real, ``None``
+        that every kept slot is (an all-real store stays all-real)."""
+        positions = self.positions.gather(2, index)
+        scores = None if self.scores is None else self.scores.gather(2, index)
+        aux = None if self.aux is None else self.aux.gather(2, index)
+        if keep is not None:
+            positions = torch.where(keep, positions, SENTINEL)
+            scores = None if scores is None else scores.masked_fill(~keep, 0.0)
+            aux = None if aux is None else aux.masked_fill(~keep, float("nan"))
         return TokenStore(take_slots(self.keys, index), take_slots(self.values, index), positions, scores, aux,
-                          self.extra)
+                          self.extra, all_real=keep is None and self.all_real)
 
     def cat(self, other: TokenStore) -> TokenStore:
         scores = aux = None
@@ -185,7 +190,7 @@ def drop_lowest(store: TokenStore, scores: torch.Tensor) -> TokenStore:
     drop = torch.where(scores.isnan(), float("inf"), scores).argmin(-1, keepdim=True)  # [B, H_kv, 1]
     slots = torch.arange(scores.shape[-1] - 1, device=scores.device)
     index = slots + (slots >= drop)  # [B, H_kv, L - 1]: every slot but the dropped one, in order
-    return store.gather(index, torch.ones_like(index, dtype=torch.bool)).replace(all_real=True)
+    return store.gather(index)
 
 
 def store_from_block(k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> TokenStore:
