@@ -4,8 +4,10 @@ For every context length and compressor: prefill a synthetic prompt once, then d
 greedily (the compressors' steps interleaved, so load changes on a shared machine hit all alike), and record
 
 * prefill tokens/s, decode tokens/s and the median ms per decoded token;
-* the rise of the process's resident memory during the prefill (sampled: the cache plus prefill transients)
-  and the peak resident memory of the process;
+* in a second pass after the timed one (``--no-memory`` skips it), each compressor alone: the rise of the
+  process's resident memory during the prefill (sampled: the cache plus prefill transients), the process's
+  peak, and the largest rise within a decode step; timings come from glibc's own allocator, peaks from a fixed
+  mmap threshold (see :func:`run_bench`);
 * resident KV bytes at the end on the fast tier (device or RAM; a retrieval method's offloaded full KV is
   ``kv_slow_tier_bytes``), and the memory factor against ``none`` in the same run;
 * the decode roofline: a step must read the weights and the resident KV, so it cannot take less than
@@ -29,6 +31,7 @@ machine, bandwidth) and bench.png there and prints the table.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -42,7 +45,7 @@ from typing import Any
 import torch
 
 from kvcomp import files, metrics, steps
-from kvcomp.memory import PeakMemory, fixed_malloc_threshold
+from kvcomp.memory import PeakMemory, fixed_malloc_threshold, trim_heap
 
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192)
 KVCOMP_BASELINE = "none-kvcomp"  # the uncompressed cache through kvcomp's own path
@@ -62,6 +65,8 @@ class BenchConfig:
     device: str = "cpu"
     threads: int | None = None
     seed: int = 0
+    # A second pass, after the timed one, that measures peak memory (fixed malloc threshold: run_bench).
+    memory: bool = True
     out: str = "runs/bench"
 
 
@@ -160,8 +165,9 @@ def _use_attention(model, compressor) -> None:
 
 
 @torch.inference_mode()
-def prefill(model, ids: torch.Tensor, compressor, device: str) -> dict[str, Any]:
-    """Prefill the prompt into a new cache; returns the timing, the memory rise, the cache and the next token."""
+def prefill(model, ids: torch.Tensor, compressor, device: str, measure: bool = False) -> dict[str, Any]:
+    """Prefill the prompt into a new cache; returns the timing, the cache and the next token, and with
+    ``measure`` the rise of memory while it ran (sampled by a thread: only in the memory pass)."""
     from transformers import DynamicCache
 
     from kvcomp import CompressedCache
@@ -169,27 +175,43 @@ def prefill(model, ids: torch.Tensor, compressor, device: str) -> dict[str, Any]
     cache = DynamicCache(config=model.config) if compressor is None else CompressedCache(model, compressor)
     _use_attention(model, compressor)
     rows = steps.Rows(ids.shape[0], device)
-    with PeakMemory(device) as memory:
+    with PeakMemory(device) if measure else contextlib.nullcontext() as memory:
         _sync(device)
         t0 = time.perf_counter()
         logits = steps.prefill(model, cache, ids, rows)
         _sync(device)
         seconds = time.perf_counter() - t0
-    return {"cache": cache, "rows": rows, "next_ids": logits.argmax(-1), "prefill_s": seconds,
-            "prefill_tok_s": ids.shape[1] / seconds, "peak_rss_mb": memory.peak / 2**20,
-            "peak_rise_mb": memory.rise_mb, "step_s": []}
+    run = {"cache": cache, "rows": rows, "next_ids": logits.argmax(-1), "prefill_s": seconds,
+           "prefill_tok_s": ids.shape[1] / seconds, "step_s": []}
+    if measure:
+        run.update(peak_rss_mb=memory.peak / 2**20, peak_rise_mb=memory.rise_mb)
+    return run
 
 
 @torch.inference_mode()
-def decode_step(model, run: dict[str, Any], compressor, device: str) -> None:
-    """One greedy decode step on a prefilled run (its time appended to ``run["step_s"]``)."""
+def decode_step(model, run: dict[str, Any], compressor, device: str, measure: bool = False) -> None:
+    """One greedy decode step on a prefilled run (its time appended to ``run["step_s"]``; with ``measure``,
+    the largest rise of memory within a step so far in ``run["decode_rise"]``)."""
     _use_attention(model, compressor)
-    with PeakMemory(device, collect=False) as memory:
+    with PeakMemory(device, collect=False) if measure else contextlib.nullcontext() as memory:
         t0 = time.perf_counter()
         run["next_ids"] = steps.decode_one(model, run["cache"], run["next_ids"], run["rows"]).argmax(-1)
         _sync(device)
         run["step_s"].append(time.perf_counter() - t0)
-    run["decode_rise"] = max(run.get("decode_rise", 0), memory.peak - memory.start)
+    if measure:
+        run["decode_rise"] = max(run.get("decode_rise", 0), memory.peak - memory.start)
+
+
+def measure_memory(model, ids: torch.Tensor, compressor, device: str, decode_steps: int) -> dict[str, float]:
+    """The memory pass for one compressor, alone in the process: the rise of a prefill, the process's peak,
+    and the largest rise within a decode step (see :func:`run_bench`)."""
+    gc.collect()
+    trim_heap()
+    run = prefill(model, ids, compressor, device, measure=True)
+    for _ in range(decode_steps):
+        decode_step(model, run, compressor, device, measure=True)
+    return {"peak_rss_mb": run["peak_rss_mb"], "peak_rise_mb": run["peak_rise_mb"],
+            "decode_peak_rise_mb": run.get("decode_rise", float("nan")) / 2**20}
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -199,7 +221,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     cache = run["cache"]
     resident, full, _ = cache_stats(cache)
     steps = sorted(run["step_s"])
-    row = {k: run[k] for k in ("prefill_s", "prefill_tok_s", "peak_rss_mb", "peak_rise_mb")}
+    row = {k: run[k] for k in ("prefill_s", "prefill_tok_s")}
     row.update(
         decode_tok_s=len(steps) / sum(steps) if steps else float("nan"),
         decode_ms_per_token=1000 * steps[len(steps) // 2] if steps else float("nan"),
@@ -210,7 +232,6 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         # What a saved context keeps (KVTC: its entropy-coded blocks; the live codes are kv_bytes).
         kv_stored_bytes=cache.stored_bytes() if isinstance(cache, CompressedCache) else resident.get("device", 0),
         full_kv_bytes=full,
-        decode_peak_rise_mb=run.get("decode_rise", float("nan")) / 2**20 if steps else float("nan"),
     )
     return row
 
@@ -218,13 +239,18 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
 def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> list[dict[str, Any]]:
     """Run every (context, compressor) pair; returns the rows (also written to ``config.out``).
 
-    At each context every compressor prefills once (in turn, each prefill timed alone), then the decode steps
-    are interleaved, one step of each compressor in turn, so that a change in the machine's load (a shared
-    machine) slows all of them alike and the ratios to ``none`` stay meaningful. ``peak_rise_mb`` is the rise
-    of the process's resident memory during a compressor's prefill (its cache plus prefill transients; on
-    CUDA, of allocated device memory); ``decode_peak_rise_mb`` the largest rise within one decode step over
-    the memory held just before it (the step's transients: fetched pages, attention buffers). Both are peaks;
-    ``memory_factor`` is the bytes the cache holds at rest.
+    Two passes. The timing pass runs with glibc's own allocator, as a user's process would: at each context
+    every compressor prefills once (in turn, each prefill timed alone), then the decode steps are interleaved,
+    one step of each compressor in turn, so that a change in the machine's load (a shared machine) slows all
+    of them alike and the ratios to ``none`` stay meaningful. The memory pass (``config.memory``) follows, with
+    a fixed mmap threshold (:func:`kvcomp.memory.fixed_malloc_threshold`: peaks then compare what each method
+    allocates, not the heap's history, but every large allocation faults its pages in, which would slow
+    allocating steps by up to 40%): each compressor alone prefills and decodes the same steps again.
+    ``peak_rise_mb`` is the rise of the process's resident memory during its prefill (its cache plus prefill
+    transients; on CUDA, of allocated device memory), ``peak_rss_mb`` the process's peak then;
+    ``decode_peak_rise_mb`` the largest rise within one decode step over the memory held just before it (the
+    step's transients: fetched pages, attention buffers). Both are peaks; ``memory_factor`` is the bytes the
+    cache holds at rest.
     """
     from kvcomp import load_model
 
@@ -236,7 +262,6 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     built = [build_compressor(s, config) for s in specs]  # bad names fail before the model loads
     if model is None:
         model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
-    malloc_fixed = fixed_malloc_threshold()
     bandwidth = copy_bandwidth(config.device)
     weights = weight_bytes(model)
     log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; weights {weights / 2**20:.0f} MiB; "
@@ -277,6 +302,17 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
                 f"KV {row['kv_bytes'] / 2**20:7.1f} MiB  roofline {row['roofline_fraction']:.2f}")
         del runs
         gc.collect()
+    malloc_fixed = False
+    if config.memory:
+        malloc_fixed = fixed_malloc_threshold()  # for the rest of the process: nothing is timed after this
+        by_key = {(r["context"], r["compressor"]): r for r in rows}
+        for context in config.contexts:
+            ids = synthetic_prompt(context, model.config.vocab_size, config.seed)
+            for label, compressor in built:
+                peaks = measure_memory(model, ids, compressor, config.device, config.decode_steps)
+                by_key[context, label].update(peaks)
+                log(f"{context:>6} {label:32s} prefill rise {peaks['peak_rise_mb']:7.0f} MiB, decode step rise "
+                    f"{peaks['decode_peak_rise_mb']:6.1f} MiB")
     meta = {
         "config": dataclasses.asdict(config),
         "copy_bandwidth_bytes_s": bandwidth,

@@ -324,7 +324,8 @@ def _bench(args) -> int:
 
     config = BenchConfig(contexts=args.contexts, compressors=args.compressors, compression_ratio=args.ratio,
                          quant_bits=args.bits, decode_steps=args.decode_steps, model=args.model, dtype=args.dtype,
-                         device=args.device, threads=args.threads, seed=args.seed, out=args.out)
+                         device=args.device, threads=args.threads, seed=args.seed, out=args.out,
+                         memory=args.memory)
     rows = run_bench(config)
     print_table(rows, f"kvcomp bench ({args.model or 'embedded SmolLM2-135M-Instruct'}, {args.dtype}, "
                       f"{args.decode_steps} decode steps)")
@@ -484,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench")
+    p.add_argument("--no-memory", dest="memory", action="store_false",
+                   help="skip the memory pass (peak RSS, prefill and decode-step rises) after the timed one")
     p.set_defaults(func=_bench)
     return parser
 

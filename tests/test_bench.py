@@ -76,3 +76,37 @@ def test_offloaded_full_kv_is_not_counted_as_resident(tiny, tmp_path):
     assert freekv["kv_slow_tier_bytes"] >= none["kv_bytes"] > 0
     assert freekv["kv_bytes"] < none["kv_bytes"] / 2 and freekv["memory_factor"] > 2
     model.set_attn_implementation("kvcomp")
+
+
+def test_timed_steps_run_before_the_malloc_threshold_is_fixed(tiny, tmp_path, monkeypatch):
+    # The fixed mmap threshold makes allocating steps fault their pages in: it is set only for the memory pass,
+    # after every timed step, and each (context, compressor) gets its peaks from that pass.
+    import experiments.bench as bench
+
+    model, tokenizer = tiny
+    state = {"fixed": False, "timed": 0, "measured": 0}
+    decode_one = bench.steps.decode_one
+
+    def counting_decode_one(*args, **kwargs):
+        state["measured" if state["fixed"] else "timed"] += 1
+        return decode_one(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "fixed_malloc_threshold", lambda: state.update(fixed=True) or True)
+    monkeypatch.setattr(bench.steps, "decode_one", counting_decode_one)
+    config = BenchConfig(contexts=[32, 64], compressors=["snapkv"], decode_steps=4, out=str(tmp_path))
+    rows = run_bench(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
+    runs = 2 * 3  # contexts x (none, none-kvcomp, snapkv)
+    assert state["timed"] == 3 + runs * 4  # warm-up, then the timed pass
+    assert state["measured"] == runs * 4
+    for row in rows:
+        assert row["peak_rise_mb"] >= 0 and row["peak_rss_mb"] > 0 and row["decode_peak_rise_mb"] >= 0
+    assert json.loads((tmp_path / "bench.json").read_text())["meta"]["malloc_mmap_threshold_fixed"] is True
+
+    state.update(fixed=False, timed=0, measured=0)
+    config = BenchConfig(contexts=[32], compressors=["snapkv"], decode_steps=2, out=str(tmp_path), memory=False)
+    rows = run_bench(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
+    assert not state["fixed"] and state["measured"] == 0 and state["timed"] == 3 + 3 * 2
+    assert all("peak_rise_mb" not in row and "decode_peak_rise_mb" not in row for row in rows)
+    with open(tmp_path / "bench.csv") as f:
+        assert len(list(csv.DictReader(f))) == 3
+    model.set_attn_implementation("kvcomp")

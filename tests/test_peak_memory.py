@@ -47,7 +47,7 @@ def probe(methods: list[str]) -> dict[str, float]:
             compressor = None
         else:
             compressor = lossy(name.split("@")[0], **({"tier": "auto"} if name.endswith("@disk") else {}))
-        run = prefill(model, ids, compressor, "cpu")
+        run = prefill(model, ids, compressor, "cpu", measure=True)
         rises[name] = run["peak_rise_mb"]
         del run
         gc.collect()
