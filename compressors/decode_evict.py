@@ -52,9 +52,6 @@ class DecodeEvict(ScorerWrapper):
     def wrapped_capabilities(self, inner):
         return dataclasses.replace(inner, lossy=True, decode_time=True)
 
-    def grows_between_evictions(self) -> bool:
-        return self.interval > 1
-
     def decode_budget(self, ctx) -> torch.Tensor:
         held = self.held_tokens(ctx)
         return held.clamp(max=self.target_size) if self.target_size is not None else self.layer_budget(held, ctx)

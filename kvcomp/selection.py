@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from kvcomp import validation
-from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext
+from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext, clone_state
 from kvcomp.ops import dense_attention, horizon, take_slots
 from kvcomp.ragged import RaggedStore, ragged_attention
 
@@ -141,6 +141,20 @@ class TokenStore:
             out._buffers, out._start = self._buffers, self._start + min(start, self.keys.shape[2])
         return out
 
+    def clone(self) -> TokenStore:
+        """A copy sharing no tensor with this store (growable buffers copied with their spare slots)."""
+        copied = {f.name: clone_state(getattr(self, f.name)) for f in dataclasses.fields(self)
+                  if f.name not in ("keys", "values", "positions", "all_real")}
+        buffers = getattr(self, "_buffers", None)
+        if buffers is None:
+            return dataclasses.replace(self, keys=self.keys.clone(), values=self.values.clone(),
+                                       positions=self.positions.clone(), **copied)
+        buffers, start, end = tuple(b.clone() for b in buffers), self._start, self._start + self.keys.shape[2]
+        out = dataclasses.replace(self, **dict(zip(("keys", "values", "positions"),
+                                                   (b[:, :, start:end] for b in buffers))), **copied)
+        out._buffers, out._start = buffers, start
+        return out
+
     def replace(self, **changes) -> TokenStore:
         """A copy with ``changes``; it takes over the growable buffers when its tensors are still their views
         (the store it replaces is not extended afterwards)."""
@@ -182,15 +196,51 @@ def select_top(store: TokenStore, scores: torch.Tensor, budget: torch.Tensor) ->
 
 
 def drop_lowest(store: TokenStore, scores: torch.Tensor) -> TokenStore:
-    """Evict the lowest-scoring slot of each row and KV head of an unpadded store (``scores`` ``[B, H_kv, L]``),
-    keeping position order: what :func:`select_top` does when one token per head must go (a decode step of an
-    evicting method), with an argmin instead of a top-k and a sort. Ties: the oldest goes; a NaN score (a token
-    not scored yet) ranks above every number, as in top-k."""
+    """Evict the lowest-scoring slot of each row and KV head of an unpadded store (``scores`` ``[B, H_kv, L]``):
+    what :func:`select_top` does when one token per head must go (a decode step of an evicting method), with an
+    argmin instead of a top-k and a sort. Ties: the oldest goes; a NaN score (a token not scored yet) ranks
+    above every number, as in top-k.
+
+    A store that :meth:`TokenSelection.append` just built (``_owned``: no snapshot or other store shows its
+    tensors) is evicted in place: the last slot's token moves into the evicted slot and the store ends one
+    slot earlier, a view of the same tensors (no copy; its slots are then no longer in position order, which
+    nothing reads on a full-attention layer: attention, scores and budgets go by positions). Any other store
+    is copied without the evicted slot, in position order."""
     scores = scores.float()
-    drop = torch.where(scores.isnan(), float("inf"), scores).argmin(-1, keepdim=True)  # [B, H_kv, 1]
-    slots = torch.arange(scores.shape[-1] - 1, device=scores.device)
-    index = slots + (slots >= drop)  # [B, H_kv, L - 1]: every slot but the dropped one, in order
-    return store.gather(index)
+    ranked = torch.where(scores.isnan(), float("inf"), scores)
+    lowest = ranked == ranked.amin(-1, keepdim=True)
+    drop = torch.where(lowest, store.positions, SENTINEL).argmin(-1, keepdim=True)  # [B, H_kv, 1]: the oldest
+    return (_evict_in_place if getattr(store, "_owned", False) else _evict_by_copy)(store, drop)
+
+
+def _evict_by_copy(store: TokenStore, drop: torch.Tensor) -> TokenStore:
+    """``store`` without slot ``drop[b, h]`` (``[B, H_kv, 1]``) of each row and KV head, copied in order."""
+    slots = torch.arange(store.positions.shape[-1] - 1, device=drop.device)
+    return store.gather(slots + (slots >= drop))  # every slot but the dropped one
+
+
+def _evict_in_place(store: TokenStore, drop: torch.Tensor) -> TokenStore:
+    """``store`` without slot ``drop[b, h]`` (``[B, H_kv, 1]``) of each row and KV head: the last slot's token
+    is written there and the result is a view one slot shorter (the freed slot becomes a spare one)."""
+    last = store.positions.shape[-1] - 1
+
+    def move(t, in_place: bool):
+        if t is None:
+            return None
+        index = drop.view(*drop.shape, *[1] * (t.dim() - 3)).expand(*drop.shape, *t.shape[3:])
+        if in_place:
+            return t.scatter_(2, index, t[:, :, last:].clone())[:, :, :last]
+        return t.scatter(2, index, t[:, :, last:])[:, :, :last]  # per-token statistics: small, maybe expanded
+
+    out = TokenStore(*(move(t, True) for t in (store.keys, store.values, store.positions)),
+                     *(move(t, False) for t in (store.scores, store.aux)), store.extra, all_real=True)
+    buffers = getattr(store, "_buffers", None)
+    if buffers is None:  # concatenated tensors of its own: they become the growable buffers
+        buffers, start = (store.keys, store.values, store.positions), 0
+    else:
+        start = store._start
+    out._buffers, out._start = buffers, start
+    return out
 
 
 def store_from_block(k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> TokenStore:
@@ -345,20 +395,16 @@ class TokenSelection(Compressor):
         return compact(store) if nothing_evicted else self.select(store, scores, budget, ctx)
 
     def append(self, layer, state, k, v, ctx):
-        # A store that grows for several steps between evictions extends in place; one that evicts every step is
-        # rebuilt every step anyway, and a sliding layer's is bounded (it holds exactly what transformers' own
-        # sliding layer holds).
-        growable = isinstance(state, TokenStore) and self.grows_between_evictions() and ctx.spec.window is None
-        grow = state.extend if growable else state.cat
-        store = compact(grow(store_of_new(k, v, ctx)))
+        # On a full-attention layer the store extends in place (into spare slots), and a decode-time method
+        # evicts from it in place (drop_lowest); a sliding layer's store is bounded (it holds exactly what
+        # transformers' own sliding layer holds) and kept in position order (forget_before).
+        growable = isinstance(state, TokenStore) and ctx.spec.window is None
+        store = compact((state.extend if growable else state.cat)(store_of_new(k, v, ctx)))
+        if growable and self.capabilities.decode_time and isinstance(store, TokenStore) and store is not state:
+            store._owned = True  # see checkpoint(): no snapshot shows this store's tensors
         if not self.capabilities.decode_time or self.evict_after_attention:
             return store
         return self.evict(store, ctx)
-
-    def grows_between_evictions(self) -> bool:
-        """Whether a decode step usually appends without evicting (then appends write into spare slots instead of
-        copying the store): True unless the method evicts at every step."""
-        return not self.capabilities.decode_time
 
     def evict(self, store, ctx: LayerContext):
         """The store brought back to this step's budget with :meth:`decode_score` (a ragged store is scored in a
@@ -395,6 +441,9 @@ class TokenSelection(Compressor):
         # growable store's spare slots), so sharing them is a snapshot; only H2O's scores are updated in place
         # (observe), so they are copied. The snapshot shares the growable buffers: after a rollback only its own
         # lineage goes on (the store it was taken from is discarded), so their spare slots have one writer.
+        # A decode-time method evicts in place (drop_lowest), over any slot: its snapshot is a copy.
+        if self.capabilities.decode_time:
+            return state.clone() if isinstance(state, TokenStore) else clone_state(state)
         scores = None if state.scores is None else state.scores.clone()
         return state.replace(scores=scores) if isinstance(state, TokenStore) else dataclasses.replace(state, scores=scores)
 

@@ -19,11 +19,13 @@ from compressors.criticalkv import CriticalKV, projected_value_norm
 from compressors.decode_evict import DecodeEvict, prefill_rank_score
 from compressors.duo_attention import DuoAttention
 from compressors.expected_attention import ExpectedAttention, average_rotation
+from compressors.h2o import H2O
 from compressors.inertiakv import InertiaKV
 from compressors.keydiff import KeyDiff, key_diff_score
 from compressors.knorm import KNorm
 from compressors.kvzip import KVzip, reconstruction_scores
 from compressors.pyramidkv import PyramidKV, pyramid_budget
+from compressors.streaming_llm import StreamingLLM
 from compressors.tova import TOVA
 from kvcomp import CompressedCache, CompressorError
 from kvcomp.allocation import adaptive_keep
@@ -350,32 +352,61 @@ def test_decode_evict_interval_lets_the_cache_grow_between_evictions(tiny):
     assert max(sizes) == 64 + 3 and sizes.count(64) >= 9
 
 
-def test_decode_evict_with_an_interval_appends_in_place_and_decodes_as_copying_appends_do(tiny):
-    """Between evictions the store grows into spare slots (no copy of the whole store per step); the logits are
-    those of appending by concatenation (the path of a method that evicts every step)."""
+def _decode_tracking_copies(model, cache, logits, steps: int):
+    """Greedy steps from ``logits``: (stacked logits, the kept positions of every layer after each step, how
+    many steps rebuilt layer 0's store instead of writing into its buffers)."""
+    next_id, out, kept, copies, previous = logits[:, -1].argmax(-1, keepdim=True), [], [], 0, None
+    with torch.inference_mode():
+        for _ in range(steps):
+            step = model(input_ids=next_id, cache=cache, use_cache=True).logits[:, -1]
+            next_id = step.argmax(-1, keepdim=True)
+            out.append(step)
+            kept.append([layer.state.padded().positions.sort(-1).values for layer in cache.layers])
+            buffers = getattr(cache.layers[0].state, "_buffers", None)
+            copies += buffers is None or previous is None or buffers[0] is not previous
+            previous = None if buffers is None else buffers[0]
+    return torch.stack(out), kept, copies
 
-    class Copying(DecodeEvict):
-        def grows_between_evictions(self) -> bool:
-            return False
+
+@pytest.mark.parametrize("make", [
+    lambda: DecodeEvict(scorer="keydiff", target_size=1024, interval=16),
+    lambda: DecodeEvict(scorer="knorm", target_size=1024),
+    lambda: StreamingLLM(budget=1024),
+    lambda: TOVA(budget=1024),
+    lambda: H2O(budget=1024),
+], ids=["decode_evict-interval16", "decode_evict-every-step", "streaming_llm", "tova", "h2o"])
+def test_decode_time_eviction_works_in_place_and_keeps_what_copying_keeps(tiny, monkeypatch, make):
+    """Appends write into spare slots and a one-token eviction moves the last slot into the evicted one, so the
+    store is not copied per step (H2O's scores are concatenated: one copy); the kept tokens are those of the
+    copying path (every slot but the evicted one, in order) at every step of every layer, and the logits equal
+    it up to the order of the sums over slots."""
+    from kvcomp import selection
 
     model, tokenizer = tiny
     text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(300))  # > 1024 tokens: a store with spare slots
-    runs = {}
-    for kind in (DecodeEvict, Copying):
-        cache, out, _ = prefilled(model, tokenizer, kind(scorer="keydiff", target_size=1024, interval=16), text)
-        next_id, logits, copies, previous = out.logits[:, -1].argmax(-1, keepdim=True), [], 0, None
-        with torch.inference_mode():
-            for _ in range(40):
-                step = model(input_ids=next_id, cache=cache, use_cache=True).logits[:, -1]
-                next_id = step.argmax(-1, keepdim=True)
-                logits.append(step)
-                buffers = getattr(cache.layers[0].state, "_buffers", None)
-                copies += buffers is None or previous is None or buffers[0] is not previous
-                previous = None if buffers is None else buffers[0]
-        runs[kind] = torch.stack(logits), copies
-    (logits, in_place), (copied_logits, copied) = runs[DecodeEvict], runs[Copying]
-    assert torch.equal(logits, copied_logits)
-    assert copied == 40 and in_place <= 12, (in_place, copied)
+    cache, out, _ = prefilled(model, tokenizer, make(), text)
+    logits, kept, in_place = _decode_tracking_copies(model, cache, out.logits, 40)
+    with monkeypatch.context() as patch:
+        patch.setattr(selection, "_evict_in_place", selection._evict_by_copy)
+        patch.setattr(selection.TokenStore, "extend", selection.TokenStore.cat)
+        cache, out, _ = prefilled(model, tokenizer, make(), text)
+        copied_logits, copied_kept, copied = _decode_tracking_copies(model, cache, out.logits, 40)
+    assert all(torch.equal(a, b) for mine, theirs in zip(kept, copied_kept) for a, b in zip(mine, theirs))
+    torch.testing.assert_close(logits, copied_logits, rtol=1e-4, atol=1e-4)
+    assert copied == 40
+    assert in_place <= (40 if isinstance(make(), H2O) else 12), in_place
+
+
+def test_in_place_eviction_drops_the_oldest_of_tied_lowest_scores():
+    from kvcomp.selection import drop_lowest
+
+    keys = torch.arange(6.0).view(1, 1, 6, 1)
+    store = TokenStore(keys, keys.clone(), torch.tensor([[[0, 5, 2, 3, 4, 1]]], dtype=torch.int32), all_real=True)
+    store._owned = True
+    kept = drop_lowest(store, torch.tensor([[[9.0, 1.0, 1.0, 9.0, 9.0, 9.0]]]))  # positions 5 and 2 tie: 2 goes
+    assert kept.positions.view(-1).tolist() == [0, 5, 1, 3, 4]  # the last slot (position 1) took its place
+    assert kept.keys.view(-1).tolist() == [0.0, 1.0, 5.0, 3.0, 4.0] and kept.all_real
+    assert kept._buffers[0].data_ptr() == keys.data_ptr()  # a view of the same memory: nothing copied
 
 
 def test_decode_evict_over_an_allocator_keeps_its_head_wise_budget(tiny):
