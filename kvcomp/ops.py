@@ -100,18 +100,18 @@ def softmax(logits: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Te
     return e / (e.sum(-1, keepdim=True) + torch.exp(sinks - top))
 
 
-def attention_probs(qg: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, spec: AttentionSpec,
+def attention_probs(qg: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, spec: AttentionSpec,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """float32 probabilities ``[B, H_kv, R, L]`` of grouped queries ``qg`` ``[B, H_kv, R, D]`` over keys ``k``
     ``[B, H_kv, L, D]`` (or a tuple of key blocks, read as their concatenation without copying the keys):
-    scale, soft-cap, mask by ``allowed`` (broadcast to ``[B, H_kv, R, L]``), softmax with the layer's sinks
-    (``sinks``: :meth:`AttentionSpec.grouped_sinks` for these rows)."""
+    scale, soft-cap, mask by ``allowed`` (broadcast to ``[B, H_kv, R, L]``; None: every key visible), softmax
+    with the layer's sinks (``sinks``: :meth:`AttentionSpec.grouped_sinks` for these rows)."""
     if isinstance(k, tuple):
         logits = torch.cat([torch.matmul(qg, part.transpose(-1, -2)) for part in k], dim=-1)
     else:
         logits = torch.matmul(qg, k.transpose(-1, -2))
     logits = softcap(logits.float() * spec.scaling, spec.softcap)
-    return softmax(logits.masked_fill(~allowed, float("-inf")), sinks)
+    return softmax(logits if allowed is None else logits.masked_fill(~allowed, float("-inf")), sinks)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -139,6 +139,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
             if bool((k_pos == q_pos.view(b, 1, n)).all()):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scaling, enable_gqa=g > 1)
                 return out, None
+    if n == 1 and all_visible and length:  # weights asked, or softcap / sinks: still no mask to build
+        probs = attention_probs(q.reshape(b, hkv, g, d), k, None, spec, spec.grouped_sinks(hkv, 1, q.device))
+        out = torch.matmul(probs.to(v.dtype), v).reshape(b, hq, n, d)
+        return out, (probs.view(b, hkv, g, 1, length) if need_weights else None)
     k_pos = k_pos.to(q_pos.dtype)
     outs, weights = [], []
     for start in range(0, n, _QUERY_CHUNK):

@@ -188,3 +188,23 @@ def test_ties_drop_the_oldest_token():
     store = _store(6).replace(all_real=True)
     kept = selection.drop_lowest(store, torch.tensor([[[3.0, 1.0, 2.0, 1.0, 5.0, 1.0]] * 3] * 2))
     assert kept.positions[0, 0].tolist() == [0, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("spec", ["plain", "softcap", "sinks"])
+def test_all_visible_decode_attention_with_weights_equals_the_masked_path(spec):
+    """A decode query over an unpadded full-attention store builds no mask, also when the weights are asked
+    (TOVA, H2O) or the layer soft-caps or has sinks: output and weights bit-identical to the masked path."""
+    from kvcomp.ops import AttentionSpec, dense_attention
+
+    torch.manual_seed(0)
+    b, hkv, g, length, d = 2, 3, 3, 50, 16
+    spec = AttentionSpec(d ** -0.5, softcap=2.0 if spec == "softcap" else None,
+                         sinks=torch.randn(hkv * g) if spec == "sinks" else None)
+    q, k, v = torch.randn(b, hkv * g, 1, d), torch.randn(b, hkv, length, d), torch.randn(b, hkv, length, d)
+    k_pos = torch.randperm(length).to(torch.int32).expand(b, hkv, length)  # slots in any order
+    q_pos = torch.full((b, 1), length)
+    for need in (False, True):
+        fast, fast_w = dense_attention(q, k, v, q_pos, k_pos, spec, need, all_visible=True)
+        masked, masked_w = dense_attention(q, k, v, q_pos, k_pos, spec, need)
+        assert torch.equal(fast, masked)
+        assert (fast_w is None and masked_w is None) or torch.equal(fast_w, masked_w)
