@@ -27,6 +27,8 @@ from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorErro
 from kvcomp.ops import dense_attention, horizon, take_slots
 from kvcomp.ragged import RaggedStore, ragged_attention
 
+SLOT_FIELDS = ("keys", "values", "positions", "scores", "aux")  # TokenStore's per-slot tensors, in order
+
 
 def _spare(length: int) -> int:
     """Spare slots a growable TokenStore of ``length`` tokens allocates when it must copy (decode appends then
@@ -68,10 +70,30 @@ class TokenStore:
     def valid(self) -> torch.Tensor:
         return self.positions < SENTINEL
 
+    def slot_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The per-slot tensors, in :data:`SLOT_FIELDS` order (None where absent)."""
+        return self.keys, self.values, self.positions, self.scores, self.aux
+
+    def live_buffers(self) -> tuple[torch.Tensor | None, ...] | None:
+        """The growable buffers (:meth:`extend`), one per :data:`SLOT_FIELDS` entry, or None when the keys,
+        values and positions are no longer their views; an entry is None where its tensor is absent or is not
+        its buffer's view (a statistic replaced since)."""
+        buffers = getattr(self, "_buffers", None)
+        if buffers is None:
+            return None
+        out = []
+        for i, (t, buf) in enumerate(zip(self.slot_tensors(), buffers)):
+            view = t is not None and buf is not None and (
+                t.data_ptr() == buf[:, :, self._start:].data_ptr() and t.stride() == buf.stride())
+            if i < 3 and not view:
+                return None
+            out.append(buf if view else None)
+        return tuple(out)
+
     def tensors(self) -> list[torch.Tensor]:
-        kvp = getattr(self, "_buffers", None) or (self.keys, self.values, self.positions)
-        fixed = [t for t in (*kvp, self.scores, self.aux) if t is not None]
-        return fixed + list((self.extra or {}).values())
+        buffers = self.live_buffers() or (None,) * len(SLOT_FIELDS)
+        held = [t if buf is None else buf for t, buf in zip(self.slot_tensors(), buffers)]
+        return [t for t in held if t is not None] + list((self.extra or {}).values())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -110,23 +132,29 @@ class TokenStore:
     def extend(self, other: TokenStore) -> TokenStore:
         """This store followed by ``other``'s tokens: written into this store's spare slots when it has enough
         (and its tensors are still the views of its buffers), else copied once into new buffers with spare slots
-        (:func:`_spare`). Stores with per-token statistics (scores, aux) are concatenated instead (:meth:`cat`)."""
-        if any(t is not None for t in (self.scores, self.aux, other.scores, other.aux)):
+        (:func:`_spare`). Per-token statistics extend alike (a new token's score 0, its aux NaN, as in
+        :meth:`cat`); a store without them given tokens with them is concatenated instead."""
+        if (other.scores is not None and self.scores is None) or (other.aux is not None and self.aux is None):
             return self.cat(other)
-        mine, new = (self.keys, self.values, self.positions), (other.keys, other.values, other.positions)
+        mine = self.slot_tensors()
+        new = (other.keys, other.values, other.positions,
+               None if self.scores is None else 0.0 if other.scores is None else other.scores,
+               None if self.aux is None else float("nan") if other.aux is None else other.aux)
         length, n = self.keys.shape[2], other.keys.shape[2]
-        buffers, start = getattr(self, "_buffers", None), getattr(self, "_start", 0)
-        if buffers is None or start + length + n > buffers[0].shape[2] or not all(
-                t.data_ptr() == buf[:, :, start:].data_ptr() and t.stride() == buf.stride()
-                for t, buf in zip(mine, buffers)):
-            buffers = tuple(t.new_empty(*t.shape[:2], length + n + _spare(length + n), *t.shape[3:]) for t in mine)
+        buffers, start = self.live_buffers(), getattr(self, "_start", 0)
+        if buffers is None or start + length + n > buffers[0].shape[2] or any(
+                (t is None) != (buf is None) for t, buf in zip(mine, buffers)):
+            size = length + n + _spare(length + n)
+            buffers = tuple(None if t is None else t.new_empty(*t.shape[:2], size, *t.shape[3:]) for t in mine)
             for buf, t in zip(buffers, mine):
-                buf[:, :, :length] = t
+                if buf is not None:
+                    buf[:, :, :length] = t
             start = 0
         end = start + length
         for buf, t in zip(buffers, new):
-            buf[:, :, end:end + n] = t
-        out = TokenStore(*(buf[:, :, start:end + n] for buf in buffers), extra=self.extra,
+            if buf is not None:
+                buf[:, :, end:end + n] = t
+        out = TokenStore(*(None if buf is None else buf[:, :, start:end + n] for buf in buffers), extra=self.extra,
                          all_real=self.all_real and other.all_real)
         out._buffers, out._start = buffers, start
         return out
@@ -143,24 +171,27 @@ class TokenStore:
 
     def clone(self) -> TokenStore:
         """A copy sharing no tensor with this store (growable buffers copied with their spare slots)."""
-        copied = {f.name: clone_state(getattr(self, f.name)) for f in dataclasses.fields(self)
-                  if f.name not in ("keys", "values", "positions", "all_real")}
-        buffers = getattr(self, "_buffers", None)
+        extra = clone_state(self.extra)
+        buffers = self.live_buffers()
         if buffers is None:
-            return dataclasses.replace(self, keys=self.keys.clone(), values=self.values.clone(),
-                                       positions=self.positions.clone(), **copied)
-        buffers, start, end = tuple(b.clone() for b in buffers), self._start, self._start + self.keys.shape[2]
-        out = dataclasses.replace(self, **dict(zip(("keys", "values", "positions"),
-                                                   (b[:, :, start:end] for b in buffers))), **copied)
+            return dataclasses.replace(self, **{f: None if t is None else t.clone()
+                                                for f, t in zip(SLOT_FIELDS, self.slot_tensors())}, extra=extra)
+        buffers = tuple(None if b is None else b.clone() for b in buffers)
+        start, end = self._start, self._start + self.keys.shape[2]
+        out = dataclasses.replace(self, **{f: (None if t is None else t.clone()) if b is None else b[:, :, start:end]
+                                           for f, t, b in zip(SLOT_FIELDS, self.slot_tensors(), buffers)},
+                                  extra=extra)
         out._buffers, out._start = buffers, start
         return out
 
     def replace(self, **changes) -> TokenStore:
-        """A copy with ``changes``; it takes over the growable buffers when its tensors are still their views
-        (the store it replaces is not extended afterwards)."""
+        """A copy with ``changes``; it takes over the growable buffers of the per-slot tensors it keeps when
+        they are still their views (the store it replaces is not extended afterwards)."""
         out = dataclasses.replace(self, **changes)
-        if getattr(self, "_buffers", None) is not None and not {"keys", "values", "positions"} & set(changes):
-            out._buffers, out._start = self._buffers, self._start
+        buffers = self.live_buffers()
+        if buffers is not None and not {"keys", "values", "positions"} & set(changes):
+            out._buffers = tuple(None if f in changes else b for f, b in zip(SLOT_FIELDS, buffers))
+            out._start = self._start
         return out
 
     # The per-token layout of this store is the padded one already (RaggedStore converts between the two).
@@ -221,25 +252,28 @@ def _evict_by_copy(store: TokenStore, drop: torch.Tensor) -> TokenStore:
 
 def _evict_in_place(store: TokenStore, drop: torch.Tensor) -> TokenStore:
     """``store`` without slot ``drop[b, h]`` (``[B, H_kv, 1]``) of each row and KV head: the last slot's token
-    is written there and the result is a view one slot shorter (the freed slot becomes a spare one)."""
+    is written there and the result is a view one slot shorter (the freed slot becomes a spare one). Its
+    tensors are growable buffers' views (:meth:`TokenStore.extend`) or its own (concatenated); a statistic that
+    is neither (set by a method's ``observe``, maybe an expanded view) is copied without the slot."""
     last = store.positions.shape[-1] - 1
-
-    def move(t, in_place: bool):
+    buffers = store.live_buffers()
+    start = 0 if buffers is None else store._start
+    if buffers is None:  # concatenated: its keys, values and positions are its own, now buffers
+        buffers = (store.keys, store.values, store.positions, None, None)
+    moved, kept_buffers = [], []
+    for t, buf in zip(store.slot_tensors(), buffers):
         if t is None:
-            return None
+            moved.append(None)
+            kept_buffers.append(None)
+            continue
         index = drop.view(*drop.shape, *[1] * (t.dim() - 3)).expand(*drop.shape, *t.shape[3:])
-        if in_place:
-            return t.scatter_(2, index, t[:, :, last:].clone())[:, :, :last]
-        return t.scatter(2, index, t[:, :, last:])[:, :, :last]  # per-token statistics: small, maybe expanded
-
-    out = TokenStore(*(move(t, True) for t in (store.keys, store.values, store.positions)),
-                     *(move(t, False) for t in (store.scores, store.aux)), store.extra, all_real=True)
-    buffers = getattr(store, "_buffers", None)
-    if buffers is None:  # concatenated tensors of its own: they become the growable buffers
-        buffers, start = (store.keys, store.values, store.positions), 0
-    else:
-        start = store._start
-    out._buffers, out._start = buffers, start
+        if buf is not None:
+            moved.append(t.scatter_(2, index, t[:, :, last:].clone())[:, :, :last])
+        else:
+            moved.append(t.scatter(2, index, t[:, :, last:])[:, :, :last].contiguous())
+        kept_buffers.append(buf)
+    out = TokenStore(*moved, store.extra, all_real=True)
+    out._buffers, out._start = tuple(kept_buffers), start
     return out
 
 

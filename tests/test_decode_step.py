@@ -113,8 +113,29 @@ def test_extend_writes_in_place_until_its_spare_slots_run_out_and_equals_cat():
         buffers.append(store._buffers[0].data_ptr())
     # One copy on the first append, one more when the spare slots ran out: every other step wrote in place.
     assert len(set(buffers)) == 2
-    assert store.nbytes() == sum(b.numel() * b.element_size() for b in store._buffers)
+    assert store.nbytes() == sum(b.numel() * b.element_size() for b in store._buffers if b is not None)
     assert store.nbytes() > reference.nbytes()  # the spare slots are counted: they are memory
+
+
+def test_extend_carries_per_token_statistics_in_its_buffers_as_cat_does():
+    from kvcomp import selection
+
+    store = _store(1100)
+    store.scores, store.aux = torch.rand(store.positions.shape), torch.rand(store.positions.shape)
+    reference, ptrs = store, set()
+    for step in range(4):
+        token = _store(1, 1100 + step, seed=step + 1)
+        store, reference = store.extend(token), reference.cat(token)
+        assert torch.equal(store.scores, reference.scores)
+        assert torch.equal(store.aux.nan_to_num(-1.0), reference.aux.nan_to_num(-1.0))
+        assert store.aux[..., -1].isnan().all() and (store.scores[..., -1] == 0).all()
+        ptrs.add(tuple(b.data_ptr() for b in store.live_buffers()))
+    assert len(ptrs) == 1 and len(store.live_buffers()) == len(selection.SLOT_FIELDS)
+    # A statistic replaced since is no buffer's view any more: it is counted as itself, and the next extend copies.
+    replaced = store.replace(scores=store.scores.clone())
+    assert replaced.live_buffers()[3] is None and replaced.nbytes() == store.nbytes() - store._buffers[3].nbytes + \
+        replaced.scores.nbytes
+    assert replaced.extend(_store(1, 1104, seed=9)).live_buffers()[0].data_ptr() not in ptrs.pop()
 
 
 def test_a_rolled_back_snapshot_extends_in_place_over_the_discarded_drafts():
