@@ -50,12 +50,15 @@ class TokenStore:
     positions back; False means "not known". :func:`compact` sets it once it has checked, so a decode step over
     an unpadded store reads nothing back (no host synchronisation per layer).
 
-    Growable storage: a store returned by :meth:`extend` holds its keys, values and positions as views of
-    buffers with spare slots (:func:`_spare`); the buffers (``_buffers``) are not a dataclass field, so they are
-    never stored and a copy made with ``dataclasses.replace`` does not inherit them. The next :meth:`extend`
-    writes the new tokens into the spare slots instead of copying the whole store. :meth:`replace` hands the buffers on (to a copy that takes the
-    store's place, or a rollback snapshot): of two stores sharing buffers only one may be extended, the other
-    being discarded. :meth:`nbytes` counts the buffers, spare slots included (the memory they take).
+    Growable storage: a store returned by :meth:`extend` holds its per-slot tensors (:data:`SLOT_FIELDS`) as
+    views of buffers with spare slots (:func:`_spare`); the buffers (``_buffers``) are not a dataclass field, so
+    they are never stored and a copy made with ``dataclasses.replace`` does not inherit them. The next
+    :meth:`extend` writes the new tokens into the spare slots instead of copying the whole store, and a
+    decode-time eviction of one token per head moves the last slot into the evicted one (:func:`drop_lowest`),
+    so a method that evicts at every step copies nothing either. :meth:`replace` hands the buffers on (to a copy
+    that takes the store's place, or a rollback snapshot): of two stores sharing buffers only one may be
+    extended, the other being discarded. :meth:`nbytes` counts the buffers, spare slots included (the memory
+    they take).
     """
 
     keys: torch.Tensor
@@ -292,8 +295,9 @@ def store_of_new(k: torch.Tensor, v: torch.Tensor, ctx: LayerContext) -> TokenSt
 
 
 def forget_before(store, oldest: torch.Tensor):
-    """Drop each row's tokens older than ``oldest[b]`` (``[B]``). The store's real slots are in position order
-    (as every store here keeps them), so the dropped ones are a prefix of each row and KV head."""
+    """Drop each row's tokens older than ``oldest[b]`` (``[B]``) on a sliding-window layer. Its store's real
+    slots are in position order (only full-attention stores are evicted in place, out of order: drop_lowest),
+    so the dropped ones are a prefix of each row and KV head."""
     if isinstance(store, RaggedStore):
         return store.forget_before(oldest)
     count = (store.positions < oldest.view(-1, 1, 1).to(store.positions.dtype)).sum(-1)  # [B, H_kv]
