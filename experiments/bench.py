@@ -236,14 +236,64 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def memory_pass(model, config: BenchConfig, built: list, log=print) -> dict[str, dict[str, float]]:
+    """Peaks of every (context, compressor), each compressor alone after a warm-up: ``{"context|label":
+    {peak_rise_mb, peak_rss_mb, decode_peak_rise_mb}}``."""
+    warm = synthetic_prompt(64, model.config.vocab_size, config.seed)
+    for _, compressor in built:
+        decode_step(model, prefill(model, warm, compressor, config.device), compressor, config.device)
+    peaks = {}
+    for context in config.contexts:
+        ids = synthetic_prompt(context, model.config.vocab_size, config.seed)
+        for label, compressor in built:
+            peaks[f"{context}|{label}"] = found = measure_memory(model, ids, compressor, config.device,
+                                                                 config.decode_steps)
+            log(f"{context:>6} {label:32s} prefill rise {found['peak_rise_mb']:7.0f} MiB, decode step rise "
+                f"{found['decode_peak_rise_mb']:6.1f} MiB")
+    return peaks
+
+
+def fresh_memory_pass(config_json: str, specs_json: str) -> None:
+    """Entry point of :func:`memory_in_fresh_process`: load the model, run :func:`memory_pass`, print JSON."""
+    import sys
+
+    from kvcomp import load_model
+
+    config = BenchConfig(**json.loads(config_json))
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    built = [build_compressor(s, config) for s in json.loads(specs_json)]
+    model, _ = load_model(config.model, dtype=config.dtype, device=config.device)
+    peaks = memory_pass(model, config, built, log=lambda *a: print(*a, file=sys.stderr))
+    print(json.dumps(peaks))
+
+
+def memory_in_fresh_process(config: BenchConfig, specs: list[str]) -> dict[str, dict[str, float]]:
+    """The memory pass in a new Python process whose malloc threshold is fixed from its start
+    (``MALLOC_MMAP_THRESHOLD_``), as ``tests/test_peak_memory.py`` measures: peaks measured in the process that
+    ran the timed pass carry its heap's history (FreeKV at 8K rose 1.8 GB there against 0.26 GB fresh)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from experiments.bench import fresh_memory_pass; fresh_memory_pass(sys.argv[1], sys.argv[2])"
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(dataclasses.asdict(config)), json.dumps(specs)],
+                          stdout=subprocess.PIPE, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench: the memory pass failed (exit {proc.returncode}); its error is above. "
+                           "--no-memory skips it.")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> list[dict[str, Any]]:
     """Run every (context, compressor) pair; returns the rows (also written to ``config.out``).
 
     Two passes. The timing pass runs with glibc's own allocator, as a user's process would: at each context
     every compressor prefills once (in turn, each prefill timed alone), then the decode steps are interleaved,
     one step of each compressor in turn, so that a change in the machine's load (a shared machine) slows all
-    of them alike and the ratios to ``none`` stay meaningful. The memory pass (``config.memory``) follows, with
-    a fixed mmap threshold (:func:`kvcomp.memory.fixed_malloc_threshold`: peaks then compare what each method
+    of them alike and the ratios to ``none`` stay meaningful. The memory pass (``config.memory``) follows in a
+    fresh process (:func:`memory_in_fresh_process`; in this one when a model object is given) with a fixed
+    mmap threshold (:func:`kvcomp.memory.fixed_malloc_threshold`: peaks then compare what each method
     allocates, not the heap's history, but every large allocation faults its pages in, which would slow
     allocating steps by up to 40%): each compressor alone prefills and decodes the same steps again.
     ``peak_rise_mb`` is the rise of the process's resident memory during its prefill (its cache plus prefill
@@ -260,7 +310,8 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     names = [parse_spec(s)[0] for s in specs]
     specs = [b for b in BASELINES if b not in names] + specs  # ratios need both baselines
     built = [build_compressor(s, config) for s in specs]  # bad names fail before the model loads
-    if model is None:
+    own_model = model is None
+    if own_model:
         model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
     bandwidth = copy_bandwidth(config.device)
     weights = weight_bytes(model)
@@ -304,15 +355,15 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
         gc.collect()
     malloc_fixed = False
     if config.memory:
-        malloc_fixed = fixed_malloc_threshold()  # for the rest of the process: nothing is timed after this
         by_key = {(r["context"], r["compressor"]): r for r in rows}
-        for context in config.contexts:
-            ids = synthetic_prompt(context, model.config.vocab_size, config.seed)
-            for label, compressor in built:
-                peaks = measure_memory(model, ids, compressor, config.device, config.decode_steps)
-                by_key[context, label].update(peaks)
-                log(f"{context:>6} {label:32s} prefill rise {peaks['peak_rise_mb']:7.0f} MiB, decode step rise "
-                    f"{peaks['decode_peak_rise_mb']:6.1f} MiB")
+        if own_model:  # a fresh process, its threshold fixed from its start: no heap history from the timed pass
+            peaks, malloc_fixed = memory_in_fresh_process(config, specs), "fresh process"
+        else:  # a model object given (tests): this process, its threshold fixed from now on
+            malloc_fixed = fixed_malloc_threshold()
+            peaks = memory_pass(model, config, built, log)
+        for key, value in peaks.items():
+            context, label = key.split("|", 1)
+            by_key[int(context), label].update(value)
     meta = {
         "config": dataclasses.asdict(config),
         "copy_bandwidth_bytes_s": bandwidth,

@@ -97,7 +97,7 @@ def test_timed_steps_run_before_the_malloc_threshold_is_fixed(tiny, tmp_path, mo
     rows = run_bench(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
     runs = 2 * 3  # contexts x (none, none-kvcomp, snapkv)
     assert state["timed"] == 3 + runs * 4  # warm-up, then the timed pass
-    assert state["measured"] == runs * 4
+    assert state["measured"] == 3 + runs * 4  # warm-up, then each compressor alone
     for row in rows:
         assert row["peak_rise_mb"] >= 0 and row["peak_rss_mb"] > 0 and row["decode_peak_rise_mb"] >= 0
     assert json.loads((tmp_path / "bench.json").read_text())["meta"]["malloc_mmap_threshold_fixed"] is True
@@ -110,3 +110,14 @@ def test_timed_steps_run_before_the_malloc_threshold_is_fixed(tiny, tmp_path, mo
     with open(tmp_path / "bench.csv") as f:
         assert len(list(csv.DictReader(f))) == 3
     model.set_attn_implementation("kvcomp")
+
+
+def test_the_memory_pass_of_a_model_loaded_by_name_runs_in_a_fresh_process(tmp_path):
+    # The peaks come from a new process whose malloc threshold is fixed from its start (no heap history from
+    # the timed pass); its rows join the timed ones by context and label.
+    config = BenchConfig(model="tiny", contexts=[48], compressors=["snapkv"], decode_steps=2, out=str(tmp_path))
+    rows = run_bench(config, log=lambda *_: None)
+    assert [r["compressor"].split("(")[0] for r in rows] == ["none", "none-kvcomp", "snapkv"]
+    for row in rows:
+        assert row["peak_rss_mb"] > 0 and row["peak_rise_mb"] >= 0 and row["decode_peak_rise_mb"] >= 0
+    assert json.loads((tmp_path / "bench.json").read_text())["meta"]["malloc_mmap_threshold_fixed"] == "fresh process"
