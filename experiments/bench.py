@@ -236,12 +236,18 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def memory_pass(model, config: BenchConfig, built: list, log=print) -> dict[str, dict[str, float]]:
-    """Peaks of every (context, compressor), each compressor alone after a warm-up: ``{"context|label":
-    {peak_rise_mb, peak_rss_mb, decode_peak_rise_mb}}``."""
+def warm_up(model, config: BenchConfig, built: list) -> None:
+    """A short prefill and a decode step of each compressor: first-call costs (allocator, kernel compilation)
+    must not land on whichever is measured first."""
     warm = synthetic_prompt(64, model.config.vocab_size, config.seed)
     for _, compressor in built:
         decode_step(model, prefill(model, warm, compressor, config.device), compressor, config.device)
+
+
+def memory_pass(model, config: BenchConfig, built: list, log=print) -> dict[str, dict[str, float]]:
+    """Peaks of every (context, compressor), each compressor alone after a warm-up: ``{"context|label":
+    {peak_rise_mb, peak_rss_mb, decode_peak_rise_mb}}``."""
+    warm_up(model, config, built)
     peaks = {}
     for context in config.contexts:
         ids = synthetic_prompt(context, model.config.vocab_size, config.seed)
@@ -317,10 +323,7 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     weights = weight_bytes(model)
     log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; weights {weights / 2**20:.0f} MiB; "
         f"{torch.get_num_threads()} threads")
-    # Warm-up: first-call costs (allocator, kernel compilation) must not land on whichever runs first.
-    warm = synthetic_prompt(64, model.config.vocab_size, config.seed)
-    for _, compressor in built:
-        decode_step(model, prefill(model, warm, compressor, config.device), compressor, config.device)
+    warm_up(model, config, built)
     rows = []
     for context in config.contexts:
         ids = synthetic_prompt(context, model.config.vocab_size, config.seed)
