@@ -732,3 +732,39 @@ def test_embedded_model_answers_from_redis_as_in_process_and_lossless_as_uncompr
                             lossless=Lossless(tier="store", tier_options={"store": url}), **ask)
     assert exact.token_ids == kvcomp.generate(model, tokenizer, sample.context, **ask).token_ids
     assert exact.lossless["bytes_in"] >= saved.full_kv_bytes
+
+
+def test_store_bench_writes_rows_as_it_goes_and_resumes(tmp_path, monkeypatch):
+    """experiments.store_bench on the tiny model: every answer from a store equals the in-process one, lossless
+    decoding from Redis (reads overlapped and not) equals uncompressed decoding, and a rerun with the same --out
+    measures only what is missing (here: the one row taken out of each file)."""
+    import json
+
+    from experiments import store_bench
+
+    out = tmp_path / "bench"
+    argv = ["--model", "tiny", "--lengths", "512", "--samples", "1", "--tasks", "ruler/niah_single_1",
+            "--methods", "none", "snapkv:compression_ratio=0.5", "--drafters", "quant:bits=4",
+            "--lossless-tokens", "6", "--gamma", "2", "--out", str(out)]
+    summary = store_bench.main(argv)
+    rows = [json.loads(line) for line in (out / "store_bench.jsonl").read_text().splitlines()]
+    lossless = [json.loads(line) for line in (out / "lossless.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], r["store"]) for r in rows) == [
+        ("none", "dir"), ("none", "redis"), ("snapkv:compression_ratio=0.5", "dir"),
+        ("snapkv:compression_ratio=0.5", "redis")]
+    assert all(r["identical"] for r in rows)
+    assert sorted(r["overlap"] for r in lossless) == [False, True]
+    assert all(r["exact"] and r["uncompressed_exact"] for r in lossless)
+    assert {(r["overlap"], r["n"]) for r in summary["lossless"]} == {(True, 1), (False, 1)}
+
+    # Take the last row out of each file: the rerun measures exactly those again and nothing else.
+    for name, kept in (("store_bench.jsonl", rows[:-1]), ("lossless.jsonl", lossless[:-1])):
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
+    calls = []
+    real = store_bench._lossless
+    monkeypatch.setattr(store_bench, "_lossless", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    store_bench.main(argv)
+    again = [json.loads(line) for line in (out / "store_bench.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["store"]) for r in again] == [(r["method"], r["store"]) for r in rows]
+    assert calls == [lossless[-1]["overlap"]]
+    assert len((out / "lossless.jsonl").read_text().splitlines()) == 2
