@@ -263,7 +263,7 @@ def main(argv=None) -> dict:
     p.add_argument("--lengths", type=int, nargs="+", default=[4096])
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    p.add_argument("--methods", nargs="*", default=DEFAULT_METHODS, help="stored methods (none given: lossless only)")
     p.add_argument("--drafters", nargs="*", default=["quant:bits=4"], help="lossless drafters (none: skip)")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--overlap", choices=["on", "off", "both"], default="both",
