@@ -269,3 +269,32 @@ def test_notebook_executes_on_the_sweep(sweep, tmp_path, monkeypatch):
     )
     assert "4 runs under" in outputs and "8 samples" in outputs
     assert (tmp_path / "report" / "score_vs_memory.png").is_file()
+
+
+def test_tabulate_weights_tasks_by_samples_and_refuses_a_run_given_twice(tmp_path):
+    """experiments.tabulate: the mean over tasks of each configuration is weighted by the tasks' sample counts,
+    exact-match rates become sample counts, and the same run in two reports is refused."""
+    import pandas as pd
+
+    from experiments import tabulate
+
+    base = dict(length=4096, mode="query_agnostic", prefill_seconds=10.0, decode_seconds=2.0)
+    rows = [
+        dict(base, task="a", n=10, compressor="snapkv", compression_ratio=0.5, label="snapkv (agnostic)", score=100.0,
+             memory_factor=2.0, exact_match_rate=0.5),
+        dict(base, task="b", n=30, compressor="snapkv", compression_ratio=0.5, label="snapkv (agnostic)", score=20.0,
+             memory_factor=1.8, exact_match_rate=0.1),
+        dict(base, task="a", n=10, compressor="quant", compression_ratio=float("nan"), label="quant (agnostic)",
+             score=90.0, memory_factor=4.0, exact_match_rate=1.0),
+    ]
+    first, second = tmp_path / "one.csv", tmp_path / "two.csv"
+    pd.DataFrame(rows[:2]).to_csv(first, index=False)
+    pd.DataFrame(rows[2:]).to_csv(second, index=False)
+    summary = tabulate.main([str(first), str(second), "--out", str(tmp_path / "out")]).set_index("configuration")
+    assert summary.loc["snapkv 0.5", "score"] == pytest.approx((100 * 10 + 20 * 30) / 40)
+    assert summary.loc["snapkv 0.5", "memory_factor"] == pytest.approx((2.0 * 10 + 1.8 * 30) / 40)
+    assert summary.loc["snapkv 0.5", "exact_samples"] == 5 + 3
+    assert summary.loc["quant", "samples"] == 10
+    assert "| 4096 | agnostic | snapkv 0.5 | 40 | 40.0 | 1.85 | 8/40 |" in (tmp_path / "out" / "summary.md").read_text()
+    with pytest.raises(ValueError, match="more than one report"):
+        tabulate.main([str(first), str(first), "--out", str(tmp_path / "again")])
