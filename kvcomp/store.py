@@ -58,6 +58,7 @@ import os
 import re
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -391,12 +392,21 @@ def kv_bytes(k: torch.Tensor, v: torch.Tensor) -> tuple[bytes, dict[str, Any]]:
     return data, {"shape": list(k.shape), "dtype": str(k.dtype).removeprefix("torch.")}
 
 
-def kv_from_bytes(data: bytes, info: dict[str, Any], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_from_bytes(data: bytes, info: dict[str, Any], device=None, spare: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V of a part (:func:`kv_bytes`), each a contiguous ``[B, H, L + spare, D]`` tensor on ``device``
+    whose first ``L`` tokens are the part's (the ``spare`` ones are left for the caller to fill): one pass over
+    the bytes, which are only read (no copy of them is made first)."""
     b, h, n, d = info["shape"]
-    kv = torch.frombuffer(bytearray(data), dtype=_DTYPES[info["dtype"]]).view(b, h, n, 2, d)
-    if device is not None:
-        kv = kv.to(device)
-    return kv[..., 0, :], kv[..., 1, :]
+    dtype = _DTYPES[info["dtype"]]
+    with warnings.catch_warnings():  # a read-only buffer, and this view of it is only read
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        kv = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
+    kv = kv.view(b, h, n, 2, d)
+    k, v = (torch.empty(b, h, n + spare, d, dtype=dtype, device=device) for _ in range(2))
+    k[:, :, :n] = kv[..., 0, :]
+    v[:, :, :n] = kv[..., 1, :]
+    return k, v
 
 
 @dataclass
@@ -506,13 +516,15 @@ class StoreTier(Tier):
             self._tail.append(layer, k, v)
             self.bytes_written += 2 * k.numel() * k.element_size()
 
-    def _whole(self, layer: int, base: _Base) -> tuple[torch.Tensor, torch.Tensor]:
+    def _whole(self, layer: int, base: _Base, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored part of ``layer`` (``[B, H, stored + spare, D]``: see :func:`kv_from_bytes`; ``spare`` is
+        ignored for a cached layer)."""
         if layer in self._cached:
             return self._cached[layer]
         info = {"shape": list(base.shape), "dtype": str(base.dtype).removeprefix("torch.")}
         data = self.store.read(base.manifest, base.name, verify=False)
         self.bytes_read += len(data)
-        k, v = kv_from_bytes(data, info, self.device)
+        k, v = kv_from_bytes(data, info, self.device, spare=0 if self.cache else spare)
         if self.cache:
             self._cached[layer] = (k, v)
         return k, v
@@ -527,6 +539,13 @@ class StoreTier(Tier):
             stop = total if stop is None else min(stop, total)
             start = max(0, min(start, stop))
             parts = []
+            if start == 0 and base.limit == base.shape[2] and stop > base.limit and layer not in self._cached:
+                # The whole layer (what verification reads every round): stored part and tail in one buffer.
+                tail = stop - base.limit
+                k, v = self._whole(layer, base, spare=tail)
+                tk, tv = self._tail.read(layer, 0, tail)
+                k[:, :, base.limit:], v[:, :, base.limit:] = tk, tv
+                return self._to(k, device, non_blocking), self._to(v, device, non_blocking)
             if start < base.limit:
                 upto = min(stop, base.limit)
                 if start == 0 and upto == base.shape[2] or layer in self._cached:

@@ -618,6 +618,11 @@ def test_store_tier_behaves_as_a_ram_tier_and_removes_its_scratch_entries(any_st
     for args in ((0,), (0, 3, 44), (0, 38, 45), (0, 41, 45)):
         assert all(torch.equal(a, b) for a, b in zip(ram.read(*args), tier.read(*args)))
     assert all(torch.equal(a, b) for a, b in zip(ram.gather(0, index), tier.gather(0, index)))
+    tier.write(1, k, v)
+    # A whole layer comes back as contiguous K and V (one pass over the stored bytes, the tail in the same buffer).
+    assert all(t.is_contiguous() for t in (*tier.read(0), *tier.read(1)))
+    assert torch.equal(tier.read(1)[1], v)
+    tier.free(1)
     version = tier.version(0)
     for t in (ram, tier):
         t.crop(0, 30)  # into the stored part
