@@ -107,7 +107,8 @@ class KVTC(Compressor):
     block_size: int = 64
     group_size: int = 4  # principal components per DP group
 
-    capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, needs_calibration=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, needs_calibration=True,
+                                                        decode_uses_queries=False)
 
     def __post_init__(self) -> None:
         validation.finite_float("compression_factor", self.compression_factor, 1.0, owner=self,

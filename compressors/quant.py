@@ -116,7 +116,8 @@ class Quant(Compressor):
     residual: int = 128
     n_sink: int = 4
 
-    capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, supports_batch=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, supports_batch=True,
+                                                        decode_uses_queries=False)
 
     def __post_init__(self) -> None:
         validation.choice("bits", self.bits, quant_ref.BITS, owner=self)

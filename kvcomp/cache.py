@@ -168,7 +168,7 @@ class CompressedLayer(CacheLayerMixin):
                                      all_real))
         return torch.cat(outs, dim=2)
 
-    def context(self, query: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor,
+    def context(self, query_heads: int, k: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor,
                 all_real: bool = False) -> LayerContext:
         """Count the block's tokens and describe them to the compressor."""
         b, hkv, n, _ = k.shape
@@ -182,7 +182,7 @@ class CompressedLayer(CacheLayerMixin):
             query_valid=valid,
             seen=self.seen,
             spec=self.spec,
-            n_groups=query.shape[1] // hkv,
+            n_groups=query_heads // hkv,
             question_length=self.owner.question_length,
             next_position=self.next_position,
             token_ids=self.owner.block_ids if self.owner.block_ids is not None and
@@ -198,7 +198,7 @@ class CompressedLayer(CacheLayerMixin):
     def _attend(self, query, k, v, position_ids, valid, all_real: bool = False):
         if self.state is not None and k.shape[2] > 1 and self.layer_idx == 0:
             self._check_continues(position_ids, valid)
-        ctx = self.context(query, k, position_ids, valid, all_real)
+        ctx = self.context(query.shape[1], k, position_ids, valid, all_real)
         if self.state is None:
             out, _ = dense_attention(query, k, v, position_ids, ctx.positions, self.spec)
             self.build(query, k, v, ctx)
@@ -207,6 +207,14 @@ class CompressedLayer(CacheLayerMixin):
         out = self.compressor.attend(self.layer_idx, self.state, query, ctx)
         self.state = self.compressor.after_attend(self.layer_idx, self.state, ctx)
         return out
+
+    def absorb(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> None:
+        """Append verified K/V (``[B, H_kv, m, D]``; ``position_ids``, ``valid``: ``[B, m]``) without a forward, as
+        the same tokens' decode steps would store them (see :meth:`CompressedCache.absorb_verified`)."""
+        self.seen_total += k.shape[-2]
+        ctx = self.context(self.owner.query_heads, k, position_ids, valid, bool(valid.all()))
+        self.state = self.compressor.append(self.layer_idx, self.state, k, v, ctx)
+        self.state = self.compressor.after_attend(self.layer_idx, self.state, ctx)
 
     def _check_continues(self, position_ids: torch.Tensor, valid: torch.Tensor) -> None:
         """A block over a filled cache must continue its sequence: a second ``generate`` on the same cache (which
@@ -247,6 +255,7 @@ class CompressedCache(Cache):
         self.compressor = compressor
         self.question_length = question_length
         self.specs = layer_specs(model)
+        self.query_heads = model.config.get_text_config(decoder=True).num_attention_heads
         layers = [CompressedLayer(compressor, i, self, spec) for i, spec in enumerate(self.specs)]
         super().__init__(layers=layers)
         # Lossless decoding (kvcomp.lossless): `tee(layer, k, v)` receives every K/V block the model computes;
@@ -273,6 +282,28 @@ class CompressedCache(Cache):
         may be 0), and each layer snapshots itself right after them into :attr:`snapshots`."""
         self.staged = (keys, values)
         self.snapshots = [None] * len(self.layers)
+
+    @property
+    def absorbs_verified(self) -> bool:
+        """Whether verified tokens can be appended without a forward (:meth:`absorb_verified`): what the
+        compressor keeps does not depend on decode steps' queries or attention
+        (``Capabilities.state_uses_queries``)."""
+        return not self.compressor.capabilities.state_uses_queries
+
+    def absorb_verified(self, keys: list[torch.Tensor], values: list[torch.Tensor], position_ids: torch.Tensor,
+                        valid: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+        """Append tokens the full model verified (lossless decoding) with their verified K/V (``[B, H_kv, m, D]``
+        per layer; ``position_ids``, ``valid``, ``ids``: ``[B, m]``), without running the draft model over them:
+        each layer's compressor appends them as it would in a forward (same context, then ``after_attend``),
+        only their queries, attention and MLPs are not computed, since nothing is kept of them. Only when
+        :attr:`absorbs_verified`."""
+        if not self.absorbs_verified:
+            raise RuntimeError(f"CompressedCache: what {type(self.compressor).__name__} keeps depends on decode "
+                               "steps' queries; feed verified tokens through a forward (stage_verified).")
+        self.block_ids = ids
+        for layer, k, v in zip(self.layers, keys, values):
+            layer.absorb(k.to(layer.dtype), v.to(layer.dtype), position_ids, valid)
+        self.block_ids = None
 
     def take_snapshots(self) -> list[LayerSnapshot]:
         """The snapshots the last staged forward took (one per layer); unstages."""

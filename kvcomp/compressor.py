@@ -65,6 +65,17 @@ class Capabilities:
     needs_calibration: bool = False
     query_aware: bool = False  # scores tokens with the queries of the compressed prompt itself
     supports_batch: bool = True
+    # What a decode step leaves in the state depends on that step's queries or attention (statistics, evictions
+    # by attention, retrieval); None: whenever the method is decode_time or needs attention weights. A method
+    # that only re-encodes K/V while decoding (quantization's residual flush) declares False.
+    decode_uses_queries: bool | None = None
+
+    @property
+    def state_uses_queries(self) -> bool:
+        """Whether decode steps' queries shape the state (so verified tokens must be fed through a forward)."""
+        if self.decode_uses_queries is not None:
+            return self.decode_uses_queries
+        return self.decode_time or self.needs_attention_weights
 
 
 class SharedWork:
@@ -305,6 +316,7 @@ class Compose(Compressor):
             needs_calibration=any(c.needs_calibration for c in caps),
             query_aware=any(c.query_aware for c in caps),
             supports_batch=all(c.supports_batch for c in caps),
+            decode_uses_queries=last.state_uses_queries,
         )
 
     @property

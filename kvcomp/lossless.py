@@ -15,13 +15,16 @@ One round, per sequence (``last`` is the newest token, not yet in either cache):
              *verified* K/V of [last, d_1..d_a] are what it appends at the start of the next round, so the
              draft cache never holds a drafted K/V for a committed token (no drift).
 
-Appending the verified K/V rides on the next round's first draft forward (one forward instead of two): the
-cache substitutes them for the K/V the draft model computed for those tokens (``CompressedCache.stage_verified``).
+Appending the verified K/V: when what the compressor stores of a token does not depend on its decode step's
+queries (no decode-time eviction, no attention statistics: quantization, KVTC, select-once selection,
+retrieval), the cache appends them directly (``CompressedCache.absorb_verified``) and the first draft forward
+is the head alone. Otherwise (H2O, TOVA, StreamingLLM, decode_evict) they ride on the next round's first draft
+forward, so their queries update decode-time statistics as plain decoding would: the cache substitutes the
+verified K/V for the ones the draft model computed (``CompressedCache.stage_verified``). On a GPU the extra
+tokens of that forward cost nothing (memory-bound); on a CPU a forward of 5 tokens costs about twice one token.
 
 Rollback: ``Compressor.checkpoint/rollback`` snapshot a layer state (free for states whose ``append`` builds new
 tensors, a deep copy otherwise), and ``CompressedLayer`` restores its counters (tokens seen, next position).
-The verified tokens' queries in that first draft forward update decode-time statistics (H2O) as plain decoding
-would; on a GPU the extra tokens cost nothing (memory-bound), on a CPU about their compute.
 
 The full KV in a slower tier (``Lossless(tier="disk" | "host" | "ram")``, :class:`kvcomp.full_kv.TieredFullKV`): only
 verified tokens are appended to it (rejected drafts never reach it, so nothing is cropped there). When a round
@@ -261,6 +264,12 @@ def _draft(model, draft: CompressedCache, pending: _Tokens, head: _Tokens, after
     q_probs, snapshots, width = [], None, draft_mask.shape[1] + pending.ids.shape[1]
     if gamma == 0:
         return _Drafted(tokens, q_probs, None, width), draft_mask
+    if pending.k is not None and draft.absorbs_verified:
+        # Nothing the compressor keeps depends on the verified tokens' queries: append their K/V directly, and
+        # the first draft forward is the head alone (a multi-token forward costs up to 3x one token on a CPU).
+        draft.absorb_verified(pending.k, pending.v, pending.pos, pending.valid, pending.ids)
+        draft_mask = torch.cat([draft_mask, pending.valid.long()], dim=1)
+        pending = _Tokens.empty(batch, device)
     if pending.k is None:
         snapshots = draft.checkpoint()
     else:

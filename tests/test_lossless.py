@@ -556,3 +556,41 @@ def test_lossless_bench_runs_outside_inference_mode(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["method"] for r in rows] == ["resident", "tiered/disk", "lossless/snapkv:0.5", "lossless/quant:4"]
     assert all(r["exact_match"] == "True" for r in rows)
+
+
+@pytest.mark.parametrize("name", ["quant-2bit", "snapkv-0.9", "compose-snapkv-quant"])
+def test_verified_tokens_appended_without_a_forward_draft_what_the_ride_along_drafts(model64, reference20,
+                                                                                    monkeypatch, name):
+    """For a compressor whose stored tokens do not depend on their queries, the verified tokens of a round are
+    appended directly (CompressedCache.absorb_verified): every draft forward after the first round is one
+    token per row, and the drafts, acceptances and output are those of feeding them through the draft model
+    (the ride-along path, forced here), ragged batch included."""
+    from kvcomp import steps
+
+    model = model64[0]
+    assert CompressedCache(model, FAMILIES[name]).absorbs_verified
+    assert not any(CompressedCache(model, FAMILIES[n]).absorbs_verified for n in ("h2o-0.9", "streaming_llm-0.9"))
+    contexts, questions = prompts(20)
+    fed = []
+    real_forward = steps.forward
+
+    def forward(model, cache, ids, *args, **kwargs):
+        if isinstance(cache, CompressedCache):
+            fed.append(ids.shape[1])
+        return real_forward(model, cache, ids, *args, **kwargs)
+
+    monkeypatch.setattr(steps, "forward", forward)
+    runs = {}
+    for absorbs in (True, False):
+        monkeypatch.setattr(CompressedCache, "absorbs_verified", property(lambda self, a=absorbs: a))
+        fed.clear()
+        out = generate(*model64, contexts, questions, compressor=FAMILIES[name], max_new_tokens=NEW_TOKENS,
+                       lossless=True, gamma=3)
+        runs[absorbs] = out, list(fed)
+    (absorbed, absorbed_fed), (ridden, ridden_fed) = runs[True], runs[False]
+    assert absorbed.token_ids == ridden.token_ids == reference20
+    for key in ("accepted_hist", "rounds", "drafted_tokens", "accepted_tokens", "holes"):
+        assert absorbed.lossless[key] == ridden.lossless[key], key
+    prompt_forward = absorbed_fed[0]  # the prefill of the context (the question goes to the full KV only)
+    assert set(absorbed_fed[1:]) == {1} and max(ridden_fed[1:]) > 1
+    assert prompt_forward == ridden_fed[0]
