@@ -208,6 +208,11 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_shard(out_dir: str | os.PathLike, spec: GridSpec, shard: Shard, *, device: str = "cpu",
               threads: int | None = 1, progress: bool = False) -> dict[str, Any]:
     """Run shard ``shard`` of the grid ``spec`` into ``out_dir/shards/<i>-of-<n>/``; returns its ``shard.json``.
@@ -226,7 +231,7 @@ def run_shard(out_dir: str | os.PathLike, spec: GridSpec, shard: Shard, *, devic
     ensure_manifest(out_dir, spec, shard.count)
     device = pick_device(device, shard)
     root = shard_dir(out_dir, shard)
-    started = time.time()
+    started, cpu_started = time.time(), _cpu_seconds()
     grid = build_grid(spec.compressors, spec.ratios, spec.params, spec.configs)
     model, tokenizer = load_model(spec.model, dtype=spec.dtype, device=device)
     status = {
@@ -249,9 +254,9 @@ def run_shard(out_dir: str | os.PathLike, spec: GridSpec, shard: Shard, *, devic
         for mode in spec.modes:
             run_grid(model, tokenizer, mine, grid, query_aware=MODES[mode],
                      out_dir=cell_dir(root, name, length, mode), progress=progress, store=spec.store)
-    usage = resource.getrusage(resource.RUSAGE_SELF)  # this worker's CPU time (a shared machine's wall time lies)
+    # this worker's CPU time over the same span as the wall time (a shared machine's wall time lies)
     status.update(status="complete", finished=time.time(), wall_seconds=time.time() - started,
-                  cpu_seconds=usage.ru_utime + usage.ru_stime)
+                  cpu_seconds=_cpu_seconds() - cpu_started)
     _write_json(root / SHARD_MARKER, status)
     return status
 
