@@ -20,6 +20,7 @@ from typing import Any
 
 from eval.runner import CONFIG_FIELDS, REFERENCE_FILE, write_summary
 from experiments.shard import (
+    CLAIMS_DIR,
     SAMPLES_FILE,
     SHARD_MARKER,
     SHARDS_DIR,
@@ -66,7 +67,8 @@ def _check_shards(out_dir: Path, spec: GridSpec, count: int) -> tuple[list[Path]
     """The shard directories, after checking they are complete and agree; and the samples they share."""
     shards = [Shard(i, count) for i in range(count)]
     others = sorted(p.name for p in shards_root(out_dir).iterdir()
-                    if p.is_dir() and p.name not in {s.name for s in shards} and not p.name.startswith("."))
+                    if p.is_dir() and p.name not in {s.name for s in shards} | {CLAIMS_DIR}
+                    and not p.name.startswith("."))
     if others:
         raise ShardMergeError(
             f"{shards_root(out_dir)} holds shard directories {others} besides the {count} shards of its grid.json: "

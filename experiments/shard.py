@@ -1,9 +1,18 @@
 """One shard of a sharded ``kvcomp grid``: a worker that runs every configuration of the grid on its share of
 the samples, with one prefill per sample, into its own directory.
 
-The samples of every task and length are dealt round-robin: shard ``i`` of ``n`` (0-based) takes samples
-``i, i + n, i + 2n, ...``, so each worker gets about the same work whatever the task order. Layout under the
-grid's ``out_dir``::
+The unit of work is one sample of one task, length and mode (its prefill is shared by every configuration).
+How the units are split is the grid's ``assign`` (:data:`ASSIGNMENTS`):
+
+* ``queue`` (the default): every worker walks the units in the same order and takes each one nobody has claimed
+  yet, so a worker whose samples decode longer simply takes fewer (a fixed split left one of two workers 8%
+  more work at 4K, 4 samples per task). A claim is a file under ``shards/claims/`` made atomically (a hard link:
+  the first shard to make it owns the unit, on any file system the workers share); a rerun shard completes the
+  units it claimed (resuming them) and takes those still unclaimed.
+* ``round-robin``: shard ``i`` of ``n`` (0-based) takes samples ``i, i + n, i + 2n, ...`` of every task, length
+  and mode, whatever the other shards do (grids recorded before ``assign`` existed split this way).
+
+Layout under the grid's ``out_dir``::
 
     shards/grid.json                       the grid (:class:`GridSpec`) every shard must share
     shards/<i>-of-<n>/shard.json           the worker: model id, dtype, device, threads, host, versions, status,
@@ -11,6 +20,7 @@ grid's ``out_dir``::
     shards/<i>-of-<n>/samples.json         per task and length, the ids and digests of ALL its samples, in order
     shards/<i>-of-<n>/<task>/L<len>/<mode>/<label>/results.jsonl ...   a grid directory over the shard's samples
     shards/<i>-of-<n>/worker.log           the worker's output (local launcher)
+    shards/claims/<task>/L<len>/<mode>/<k> the shard that took sample k (queue assignment)
 
 A shard resumes like any grid directory: rerunning it skips the records it already has.
 :mod:`experiments.merge` turns complete shards into the files one process writes.
@@ -41,6 +51,8 @@ MANIFEST = "grid.json"
 SHARD_MARKER = "shard.json"
 SAMPLES_FILE = "samples.json"
 LOG_FILE = "worker.log"
+CLAIMS_DIR = "claims"
+ASSIGNMENTS = ("queue", "round-robin")
 
 
 class GridMismatch(ValueError):
@@ -64,12 +76,15 @@ class GridSpec:
     dtype: str = "float32"
     configs: tuple[str, ...] = ()  # compressors with their own parameters ("quant:bits=4"), one column each
     store: str | None = None  # where each sample's compressed prefills are kept and reused (``kvcomp grid --store``)
+    assign: str = "queue"  # how the shards split the samples (:data:`ASSIGNMENTS`, the module docstring)
 
     def __post_init__(self):
         for name in ("tasks", "lengths", "compressors", "ratios", "modes", "configs"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}.")
+        if self.assign not in ASSIGNMENTS:
+            raise ValueError(f"assign must be one of {ASSIGNMENTS}, got {self.assign!r}.")
 
     def labels(self) -> list[str]:
         """The grid's configuration labels, as :func:`experiments.grid.build_grid` names them."""
@@ -86,7 +101,7 @@ class GridSpec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise GridMismatch(f"Unknown grid fields {unknown}: written by another kvcomp version?")
-        return cls(**data)
+        return cls(**{"assign": "round-robin", **data})  # recorded before the split was a choice: round-robin
 
 
 @dataclass(frozen=True)
@@ -113,9 +128,6 @@ class Shard:
     @property
     def name(self) -> str:
         return f"{self.index}-of-{self.count}"
-
-    def take(self, items: list) -> list:
-        return list(items[self.index :: self.count])
 
 
 def shards_root(out_dir: str | os.PathLike) -> Path:
@@ -208,6 +220,34 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def claim(out_dir: str | os.PathLike, unit: Path, shard: Shard) -> int:
+    """The index of the shard that owns ``unit`` (a path below ``shards/claims/``): the first to claim it, this
+    one if nobody had. Atomic across processes and machines: the claim is written to a private file first and
+    hard-linked into place, which fails if the name exists, so a reader never sees a half-written claim."""
+    from kvcomp import files
+
+    root = shards_root(out_dir)
+    path = root / CLAIMS_DIR / unit
+    if not path.exists():
+        files.make_dirs(path.parent, root)
+        mine = path.with_name(f".{path.name}.{shard.index}.{os.getpid()}")
+        files.write_text(mine, str(shard.index))
+        try:
+            os.link(mine, path)
+        except FileExistsError:
+            pass  # another shard was first
+        finally:
+            mine.unlink()
+    return int(path.read_text())
+
+
+def _owner(out_dir, spec: GridSpec, shard: Shard, rel: Path, k: int) -> int:
+    """The shard that runs sample ``k`` of the task/length/mode directory ``rel`` (see :data:`ASSIGNMENTS`)."""
+    if spec.assign == "round-robin":
+        return k % shard.count
+    return claim(out_dir, rel / str(k), shard)
+
+
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -220,8 +260,9 @@ def run_shard(out_dir: str | os.PathLike, spec: GridSpec, shard: Shard, *, devic
     ``threads``: torch's intra-op threads in this worker (None: torch's default). Resumes what is there.
     """
     import torch
+    from tqdm.auto import tqdm
 
-    from eval.runner import model_id, run_grid
+    from eval.runner import model_id, run_grid, write_summary
     from experiments.grid import MODES, build_grid, cell_dir, check_modes, grid_tasks
     from kvcomp import load_model
 
@@ -247,13 +288,22 @@ def run_shard(out_dir: str | os.PathLike, spec: GridSpec, shard: Shard, *, devic
          "digests": [sample_digest(s) for s in bench.samples]}
         for name, length, bench in benches
     ])  # fmt: skip
-    for name, length, bench in benches:
-        mine = dataclasses.replace(bench, samples=shard.take(bench.samples))
-        if not mine.samples:  # fewer samples than shards
+    units = [(name, length, bench, mode, k) for name, length, bench in benches for mode in spec.modes
+             for k in range(len(bench.samples))]
+    held: dict[Path, list] = {}  # task/length/mode directory -> the samples this shard ran there
+    for name, length, bench, mode, k in tqdm(units, desc=f"shard {shard.index}/{shard.count}", disable=not progress):
+        rel = cell_dir(Path(), name, length, mode)
+        if _owner(out_dir, spec, shard, rel, k) != shard.index:
             continue
-        for mode in spec.modes:
-            run_grid(model, tokenizer, mine, grid, query_aware=MODES[mode],
-                     out_dir=cell_dir(root, name, length, mode), progress=progress, store=spec.store)
+        one = dataclasses.replace(bench, samples=[bench.samples[k]])
+        run_grid(model, tokenizer, one, grid, query_aware=MODES[mode], out_dir=root / rel, progress=False,
+                 store=spec.store)
+        held.setdefault(rel, []).append((name, length, bench, bench.samples[k]))
+    for rel, rows in held.items():  # each configuration's summary over all the samples this shard ran there
+        name, length, bench, _ = rows[0]
+        mine = dataclasses.replace(bench, samples=[r[3] for r in rows])
+        for label in grid:
+            write_summary(root / rel / label, name, length, mine)
     # this worker's CPU time over the same span as the wall time (a shared machine's wall time lies)
     status.update(status="complete", finished=time.time(), wall_seconds=time.time() - started,
                   cpu_seconds=_cpu_seconds() - cpu_started)

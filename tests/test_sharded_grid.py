@@ -1,8 +1,10 @@
 """The sharded grid on real engines (a local Ray cluster, submitit's local executor, joblib, local processes):
 merged shards hold exactly what one process writes; resume and the merge's refusals."""
 
+import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,16 @@ from experiments.grid import run_table
 from experiments.launchers import LaunchOptions, launch
 from experiments.merge import TIMING_FIELDS, ShardMergeError, compare_grids, merge_shards
 from experiments.report import collect
-from experiments.shard import GridMismatch, GridSpec, Shard, run_shard, shard_dir
+from experiments.shard import (
+    CLAIMS_DIR,
+    GridMismatch,
+    GridSpec,
+    Shard,
+    claim,
+    run_shard,
+    shard_dir,
+    shards_root,
+)
 
 SPEC = GridSpec(tasks=("niah_single_1", "fwe"), lengths=(512,), samples=3, compressors=("snapkv", "streaming_llm"),
                 ratios=(0.5,), modes=("agnostic", "aware"), max_new_tokens=4, model="tiny")
@@ -122,16 +133,50 @@ def test_kvcomp_grid_launcher_merges_at_the_end(launcher, single, tmp_path, caps
     assert (out / "ruler_fwe/L512/aware/snapkv-0.5/results.jsonl").read_text() == before
 
 
+def test_queued_shards_take_what_nobody_has_taken_and_resume_their_own(single, tmp_path, one_thread):
+    out = tmp_path / "grid"
+    assert claim(out, Path("t/L1/aware/0"), Shard(1, 2)) == 1
+    assert claim(out, Path("t/L1/aware/0"), Shard(0, 2)) == 1  # the first claim holds
+    shutil.rmtree(out)
+    run_shard(out, SPEC, Shard(1, 2))  # alone: it takes every sample
+    claims = sorted((shards_root(out) / CLAIMS_DIR).rglob("*"))
+    owners = [p.read_text() for p in claims if p.is_file()]
+    assert len(owners) == 2 * 2 * 3 and set(owners) == {"1"}  # tasks x modes x samples, no temporary file left
+    run_shard(out, SPEC, Shard(0, 2))  # finds nothing left to take
+    assert not list(shard_dir(out, Shard(0, 2)).rglob("results.jsonl"))
+    with pytest.raises(GridMismatch, match="assign"):  # a fixed split cannot join a queued grid
+        run_shard(out, dataclasses.replace(SPEC, assign="round-robin"), Shard(0, 2))
+
+    # Shard 1's last record of one configuration is lost: shard 0 does not take it over (shard 1 claimed it),
+    # the merge says it is missing, and shard 1 redoes just that record.
+    partial = shard_dir(out, Shard(1, 2)) / "ruler_fwe/L512/agnostic/snapkv-0.5/results.jsonl"
+    lines = partial.read_text().splitlines(keepends=True)
+    partial.write_text("".join(lines[:-1]))
+    run_shard(out, SPEC, Shard(0, 2))
+    assert not list(shard_dir(out, Shard(0, 2)).rglob("results.jsonl"))
+    with pytest.raises(ShardMergeError, match=r"snapkv-0.5: the shards hold 2 records for 3 samples"):
+        merge_shards(out)
+    run_shard(out, SPEC, Shard(1, 2))
+    assert partial.read_text().splitlines(keepends=True)[:-1] == lines[:-1] and len(partial.read_text().splitlines()) == 3
+    summary = json.loads((partial.parent / "summary.json").read_text())
+    assert summary["n"] == 3  # over every sample the shard ran there, not the last one alone
+    merge_shards(out)
+    assert_same_as_single(out, single)
+
+
 def test_shards_run_by_hand_resume_and_the_merge_refuses_what_it_cannot_merge(single, tmp_path, one_thread):
     out = tmp_path / "grid"
-    run_shard(out, SPEC, Shard(0, 2))
+    spec = dataclasses.replace(SPEC, assign="round-robin")  # a fixed split: shard 1 has samples whatever 0 did
+    run_shard(out, spec, Shard(0, 2))
     with pytest.raises(ShardMergeError, match=r"shard 1/2: not started.*--shard I/2"):
         merge_shards(out)
     with pytest.raises(GridMismatch, match="samples"):  # another grid into the same directory
-        run_shard(out, GridSpec(**{**SPEC.to_dict(), "samples": 4}), Shard(1, 2))
+        run_shard(out, GridSpec(**{**spec.to_dict(), "samples": 4}), Shard(1, 2))
     with pytest.raises(GridMismatch, match="shards"):
-        run_shard(out, SPEC, Shard(1, 3))
-    run_shard(out, SPEC, Shard(1, 2))
+        run_shard(out, spec, Shard(1, 3))
+    run_shard(out, spec, Shard(1, 2))
+    ids = [r["id"] for r in _records(out / "shards/0-of-2/ruler_fwe/L512/aware/none/results.jsonl")]
+    assert ids == [r["id"] for r in _records(single / "ruler_fwe/L512/aware/none/results.jsonl")][0::2]
 
     # An interrupted shard: its last record of one configuration is lost, and it never said "complete".
     partial = shard_dir(out, Shard(1, 2)) / "ruler_niah_single_1/L512/aware/streaming_llm-0.5/results.jsonl"
@@ -145,7 +190,7 @@ def test_shards_run_by_hand_resume_and_the_merge_refuses_what_it_cannot_merge(si
     with pytest.raises(ShardMergeError, match=r"streaming_llm-0.5: the shards hold 2 records for 3 samples"):
         merge_shards(out)
     kept = (shard_dir(out, Shard(1, 2)) / "ruler_fwe/L512/aware/none/results.jsonl").read_text()
-    run_shard(out, SPEC, Shard(1, 2))  # resumes: only the lost record is redone
+    run_shard(out, spec, Shard(1, 2))  # resumes: only the lost record is redone
     assert partial.read_text().splitlines(keepends=True)[:-1] == lines[:-1] and len(lines) == len(
         partial.read_text().splitlines())
     assert (shard_dir(out, Shard(1, 2)) / "ruler_fwe/L512/aware/none/results.jsonl").read_text() == kept
@@ -173,7 +218,7 @@ def test_shards_run_by_hand_resume_and_the_merge_refuses_what_it_cannot_merge(si
 
 
 def test_shard_arguments_and_merge_errors_are_clear(tmp_path, capsys):
-    assert Shard.parse("3/4") == Shard(3, 4) and Shard(1, 4).take(list(range(10))) == [1, 5, 9]
+    assert Shard.parse("3/4") == Shard(3, 4)
     with pytest.raises(ValueError, match="numbered from 0"):
         Shard.parse("4/4")
     with pytest.raises(ValueError, match="INDEX/COUNT"):
