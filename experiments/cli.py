@@ -425,9 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads of each worker (default 1), or of the one process without --launcher")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only shard I of N (0-based) in this process, for any scheduler; then `grid merge`")
-    p.add_argument("--assign", choices=["queue", "round-robin"], default="queue",
-                   help="how the shards split the samples: queue (each worker takes the next sample nobody has "
-                        "taken: balanced) or round-robin (shard I takes samples I, I+N, ...: fixed in advance)")
+    p.add_argument("--assign", choices=["round-robin", "queue"], default="round-robin",
+                   help="how the shards split the samples: round-robin (shard I takes samples I, I+N, ...: fixed in "
+                        "advance) or queue (each worker takes the next sample nobody has taken yet)")
     p.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs requested per worker (ray, submitit)")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to connect to ('auto': the one `ray start` runs here); default: a local one")

@@ -4,13 +4,14 @@ the samples, with one prefill per sample, into its own directory.
 The unit of work is one sample of one task, length and mode (its prefill is shared by every configuration).
 How the units are split is the grid's ``assign`` (:data:`ASSIGNMENTS`):
 
-* ``queue`` (the default): every worker walks the units in the same order and takes each one nobody has claimed
-  yet, so a worker whose samples decode longer simply takes fewer (a fixed split left one of two workers 8%
-  more work at 4K, 4 samples per task). A claim is a file under ``shards/claims/`` made atomically (a hard link:
-  the first shard to make it owns the unit, on any file system the workers share); a rerun shard completes the
-  units it claimed (resuming them) and takes those still unclaimed.
-* ``round-robin``: shard ``i`` of ``n`` (0-based) takes samples ``i, i + n, i + 2n, ...`` of every task, length
-  and mode, whatever the other shards do (grids recorded before ``assign`` existed split this way).
+* ``round-robin`` (the default): shard ``i`` of ``n`` (0-based) takes samples ``i, i + n, i + 2n, ...`` of every
+  task, length and mode, whatever the other shards do.
+* ``queue``: every worker walks the units in the same order and takes each one nobody has claimed yet, so a
+  worker that starts late (a Slurm job queued behind others) or whose samples decode longer takes fewer. A claim
+  is a file under ``shards/claims/`` made atomically (a hard link: the first shard to make it owns the unit, on
+  any file system the workers share); a rerun shard completes the units it claimed (resuming them) and takes
+  those still unclaimed. Measured at 4K on 2 cores it balanced the two shards (2% apart instead of 9%) but
+  used 7% more CPU than round-robin, so it is not the default (``experiments/results/grid-scaling-embedded-L4096``).
 
 Layout under the grid's ``out_dir``::
 
@@ -76,7 +77,7 @@ class GridSpec:
     dtype: str = "float32"
     configs: tuple[str, ...] = ()  # compressors with their own parameters ("quant:bits=4"), one column each
     store: str | None = None  # where each sample's compressed prefills are kept and reused (``kvcomp grid --store``)
-    assign: str = "queue"  # how the shards split the samples (:data:`ASSIGNMENTS`, the module docstring)
+    assign: str = "round-robin"  # how the shards split the samples (:data:`ASSIGNMENTS`, the module docstring)
 
     def __post_init__(self):
         for name in ("tasks", "lengths", "compressors", "ratios", "modes", "configs"):
@@ -101,7 +102,7 @@ class GridSpec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise GridMismatch(f"Unknown grid fields {unknown}: written by another kvcomp version?")
-        return cls(**{"assign": "round-robin", **data})  # recorded before the split was a choice: round-robin
+        return cls(**data)
 
 
 @dataclass(frozen=True)

@@ -104,12 +104,17 @@ def _worker_pids(out: Path, count: int) -> set[int]:
 def test_sharded_grid_on_a_local_cluster_matches_one_process(launcher, single, tmp_path):
     # ray: a local Ray cluster started for the run; submitit: its local executor (the Slurm code path's twin).
     out = tmp_path / "grid"
+    spec = dataclasses.replace(SPEC, assign="queue") if launcher == "ray" else SPEC  # ray: concurrent claims
     options = LaunchOptions(launcher, workers=2, threads=1, submitit_cluster="local", poll_seconds=0.5)
-    results = launch(out, SPEC, options, progress=False)
+    results = launch(out, spec, options, progress=False)
     assert sorted(r["shard"] for r in results) == [0, 1] and all(r["status"] == "complete" for r in results)
     pids = _worker_pids(out, 2)
     assert len(pids) == 2 and os.getpid() not in pids  # two separate worker processes did the work
     assert all(r["threads"] == 1 and 0 < r["cpu_seconds"] for r in results)
+    if spec.assign == "queue":  # each sample ran in the shard that claimed it, and in no other
+        owners = [int(p.read_text()) for p in (shards_root(out) / CLAIMS_DIR).rglob("*") if p.is_file()]
+        ran = [sum(len(_records(p)) for p in shard_dir(out, Shard(i, 2)).rglob("none/results.jsonl")) for i in (0, 1)]
+        assert len(owners) == 12 and ran == [owners.count(0), owners.count(1)]
     merged = merge_shards(out)
     assert merged["records"] == 2 * 2 * 3 * 3  # tasks x modes x labels x samples
     assert_same_as_single(out, single)
@@ -138,25 +143,26 @@ def test_queued_shards_take_what_nobody_has_taken_and_resume_their_own(single, t
     assert claim(out, Path("t/L1/aware/0"), Shard(1, 2)) == 1
     assert claim(out, Path("t/L1/aware/0"), Shard(0, 2)) == 1  # the first claim holds
     shutil.rmtree(out)
-    run_shard(out, SPEC, Shard(1, 2))  # alone: it takes every sample
+    queued = dataclasses.replace(SPEC, assign="queue")
+    run_shard(out, queued, Shard(1, 2))  # alone: it takes every sample
     claims = sorted((shards_root(out) / CLAIMS_DIR).rglob("*"))
     owners = [p.read_text() for p in claims if p.is_file()]
     assert len(owners) == 2 * 2 * 3 and set(owners) == {"1"}  # tasks x modes x samples, no temporary file left
-    run_shard(out, SPEC, Shard(0, 2))  # finds nothing left to take
+    run_shard(out, queued, Shard(0, 2))  # finds nothing left to take
     assert not list(shard_dir(out, Shard(0, 2)).rglob("results.jsonl"))
     with pytest.raises(GridMismatch, match="assign"):  # a fixed split cannot join a queued grid
-        run_shard(out, dataclasses.replace(SPEC, assign="round-robin"), Shard(0, 2))
+        run_shard(out, SPEC, Shard(0, 2))
 
     # Shard 1's last record of one configuration is lost: shard 0 does not take it over (shard 1 claimed it),
     # the merge says it is missing, and shard 1 redoes just that record.
     partial = shard_dir(out, Shard(1, 2)) / "ruler_fwe/L512/agnostic/snapkv-0.5/results.jsonl"
     lines = partial.read_text().splitlines(keepends=True)
     partial.write_text("".join(lines[:-1]))
-    run_shard(out, SPEC, Shard(0, 2))
+    run_shard(out, queued, Shard(0, 2))
     assert not list(shard_dir(out, Shard(0, 2)).rglob("results.jsonl"))
     with pytest.raises(ShardMergeError, match=r"snapkv-0.5: the shards hold 2 records for 3 samples"):
         merge_shards(out)
-    run_shard(out, SPEC, Shard(1, 2))
+    run_shard(out, queued, Shard(1, 2))
     assert partial.read_text().splitlines(keepends=True)[:-1] == lines[:-1] and len(partial.read_text().splitlines()) == 3
     summary = json.loads((partial.parent / "summary.json").read_text())
     assert summary["n"] == 3  # over every sample the shard ran there, not the last one alone
@@ -166,7 +172,7 @@ def test_queued_shards_take_what_nobody_has_taken_and_resume_their_own(single, t
 
 def test_shards_run_by_hand_resume_and_the_merge_refuses_what_it_cannot_merge(single, tmp_path, one_thread):
     out = tmp_path / "grid"
-    spec = dataclasses.replace(SPEC, assign="round-robin")  # a fixed split: shard 1 has samples whatever 0 did
+    spec = SPEC  # round-robin: a fixed split, shard 1 has samples whatever shard 0 did
     run_shard(out, spec, Shard(0, 2))
     with pytest.raises(ShardMergeError, match=r"shard 1/2: not started.*--shard I/2"):
         merge_shards(out)
