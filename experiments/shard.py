@@ -291,7 +291,7 @@ def run_shard(out_dir: str | os.PathLike, spec: GridSpec, shard: Shard, *, devic
     ])  # fmt: skip
     units = [(name, length, bench, mode, k) for name, length, bench in benches for mode in spec.modes
              for k in range(len(bench.samples))]
-    held: dict[Path, list] = {}  # task/length/mode directory -> the samples this shard ran there
+    held: dict[Path, tuple] = {}  # task/length/mode directory -> (task, length, task samples, the ones run here)
     for name, length, bench, mode, k in tqdm(units, desc=f"shard {shard.index}/{shard.count}", disable=not progress):
         rel = cell_dir(Path(), name, length, mode)
         if _owner(out_dir, spec, shard, rel, k) != shard.index:
@@ -299,12 +299,10 @@ def run_shard(out_dir: str | os.PathLike, spec: GridSpec, shard: Shard, *, devic
         one = dataclasses.replace(bench, samples=[bench.samples[k]])
         run_grid(model, tokenizer, one, grid, query_aware=MODES[mode], out_dir=root / rel, progress=False,
                  store=spec.store)
-        held.setdefault(rel, []).append((name, length, bench, bench.samples[k]))
-    for rel, rows in held.items():  # each configuration's summary over all the samples this shard ran there
-        name, length, bench, _ = rows[0]
-        mine = dataclasses.replace(bench, samples=[r[3] for r in rows])
+        held.setdefault(rel, (name, length, bench, []))[3].append(bench.samples[k])
+    for rel, (name, length, bench, mine) in held.items():  # each summary over every sample this shard ran there
         for label in grid:
-            write_summary(root / rel / label, name, length, mine)
+            write_summary(root / rel / label, name, length, dataclasses.replace(bench, samples=mine))
     # this worker's CPU time over the same span as the wall time (a shared machine's wall time lies)
     status.update(status="complete", finished=time.time(), wall_seconds=time.time() - started,
                   cpu_seconds=_cpu_seconds() - cpu_started)
