@@ -1,6 +1,6 @@
 #!/bin/bash
 # Interleaved A/B: round-robin and queue Ray legs alternating, against the same single-process leg.
-cd /work/main
+cd "$(dirname "$0")/../../.."  # the repository root
 source .venv/bin/activate
 for run in 1-round-robin 2-queue 3-round-robin 4-queue; do
   assign=${run#*-}
