@@ -1,11 +1,13 @@
 """Per-leg sums and record-by-record decode ratios of the interleaved A/B legs that ``ab.sh`` wrote.
 
-    python experiments/results/grid-scaling-embedded-L4096/ab_analyse.py      # from the repository root
+    PYTHONPATH=. python experiments/results/grid-scaling-embedded-L4096/ab_analyse.py   # from the repository root
 """
 
 import json
 import statistics
 from pathlib import Path
+
+from eval.runner import load_records
 
 ROOT = Path("runs/grid-scaling-ab")
 SUMMED = ("decode_seconds", "compress_seconds", "shared_prefill_seconds")
@@ -14,8 +16,7 @@ SUMMED = ("decode_seconds", "compress_seconds", "shared_prefill_seconds")
 def records(leg: Path) -> dict:
     out = {}
     for f in (leg / "ray").glob("ruler_*/L*/*/*/results.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
+        for r in load_records(f):
             out[(r["id"], r["mode"], f.parent.name)] = r
     return out
 
