@@ -16,26 +16,29 @@ parser = argparse.ArgumentParser()
 parser.add_argument("target", help="label prefix of the compressor to profile, e.g. adakv")
 parser.add_argument("length", type=int)
 parser.add_argument("--threads", type=int, default=2)
-parser.add_argument("--steps", type=int, default=10, help="decode steps each (the first 2 not profiled)")
+parser.add_argument("--steps", type=int, default=8, help="profiled decode steps each, after 2 warm-up steps")
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
 model, _ = load_model("embedded", dtype="float32", device="cpu")
 config = bench.BenchConfig()
 ids = bench.synthetic_prompt(args.length, model.config.vocab_size, 0)
 runs = []
-for spec in ["none", "none-kvcomp", *bench.default_specs()]:
+for spec in bench.default_specs():  # both baselines, then every registered compressor
     label, compressor = bench.build_compressor(spec, config)
     runs.append((label, compressor, bench.prefill(model, ids, compressor, "cpu")))
+for _ in range(2):  # warm-up steps, neither profiled nor timed
+    for _, compressor, run in runs:
+        bench.decode_step(model, run, compressor, "cpu")
 profile = cProfile.Profile()
-for step in range(args.steps):
+for _ in range(args.steps):
     for label, compressor, run in runs:
-        profiled = step >= 2 and label.startswith(args.target)
+        profiled = label.startswith(args.target)
         if profiled:
             profile.enable()
         bench.decode_step(model, run, compressor, "cpu")
         if profiled:
             profile.disable()
 for label, _, run in runs:
-    times = sorted(run["step_s"][2:])
-    print(f"{label[:40]:40s} median {1000 * times[len(times) // 2]:.1f} ms")
+    run["step_s"] = run["step_s"][2:]
+    print(f"{label[:40]:40s} median {bench.summarize(run)['decode_ms_per_token']:.1f} ms")
 pstats.Stats(profile).sort_stats("tottime").print_stats(12)
