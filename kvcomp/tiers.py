@@ -638,12 +638,27 @@ _worker_lock = threading.Lock()
 _shared_worker: ThreadPoolExecutor | None = None
 
 
+def _one_intraop_thread() -> None:
+    torch.get_num_threads()  # ATen sets a thread's count from the process default on its first use: do it now
+    torch.set_num_threads(1)
+
+
 def shared_worker() -> ThreadPoolExecutor:
-    """One background thread shared by every Prefetcher of the process (fetches run in submission order)."""
+    """One background thread shared by every Prefetcher of the process (fetches run in submission order).
+
+    The thread runs its torch operations on one intra-op thread. With more, it would start a second OpenMP
+    team; libgomp then sees more threads than cores and shortens every team's spin-wait, so each small
+    operation of the compute thread pays to wake its sleeping helpers (on 2 cores, at 4K, a ragged
+    allocator's per-head attention went from about 45 to 330 us a call in ``kvcomp bench``, where FreeKV and
+    SpeCache had run before it). ``torch.set_num_threads`` also sets the default for threads started later, so
+    the caller's count is put back once the worker has taken its own."""
     global _shared_worker
     with _worker_lock:
         if _shared_worker is None:
+            threads = torch.get_num_threads()
             _shared_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcomp-prefetch")
+            _shared_worker.submit(_one_intraop_thread).result()
+            torch.set_num_threads(threads)
         return _shared_worker
 
 

@@ -2,10 +2,12 @@
 
 import gc
 import os
+import threading
 
 import pytest
 import torch
 
+from kvcomp import tiers
 from kvcomp.tiers import DiskTier, FetchRequest, HostTier, Prefetcher, RamTier, Tier, make_tier
 
 B, H, D = 2, 3, 8
@@ -145,6 +147,30 @@ def test_prefetcher_returns_the_request_of_that_step(overlap):
     assert result.nbytes == B * H * 5 * 2 * D * 4
     assert pf.stats.prefetches_used == 1 and pf.stats.per_step[7][0] == result.nbytes
     assert pf.wait(7) is None  # consumed
+
+
+def test_prefetch_worker_computes_on_one_thread_and_leaves_the_callers_count(monkeypatch):
+    # A worker with several intra-op threads starts a second OpenMP team, which slows every small operation
+    # of the compute thread; the worker takes one thread without changing anyone else's count.
+    monkeypatch.setattr(tiers, "_shared_worker", None)  # a worker started in this test, not an earlier one
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tier = RamTier()
+        tier.write(0, *kv(64, 0))
+        pf = Prefetcher()
+        pf.submit(0, FetchRequest(tier, 0, torch.zeros(B, H, 3, dtype=torch.long)))
+        assert pf.wait(0) is not None
+        assert tiers._shared_worker.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == 2
+        started_later = []
+        thread = threading.Thread(target=lambda: started_later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert started_later == [2]  # the default for new threads is the caller's, not the worker's
+    finally:
+        tiers._shared_worker.shutdown()
+        torch.set_num_threads(before)
 
 
 def test_prefetcher_never_returns_stale_data():
