@@ -16,6 +16,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("target", help="label prefix of the compressor to profile, e.g. adakv")
 parser.add_argument("length", type=int)
 parser.add_argument("--threads", type=int, default=2)
+parser.add_argument("--skip", nargs="*", default=[], help="label prefixes to leave out of the environment")
 parser.add_argument("--steps", type=int, default=8, help="profiled decode steps each, after 2 warm-up steps")
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
@@ -25,6 +26,8 @@ ids = bench.synthetic_prompt(args.length, model.config.vocab_size, 0)
 runs = []
 for spec in bench.default_specs():  # both baselines, then every registered compressor
     label, compressor = bench.build_compressor(spec, config)
+    if any(label.startswith(prefix) for prefix in args.skip):
+        continue
     runs.append((label, compressor, bench.prefill(model, ids, compressor, "cpu")))
 for _ in range(2):  # warm-up steps, neither profiled nor timed
     for _, compressor, run in runs:
@@ -41,4 +44,5 @@ for _ in range(args.steps):
 for label, _, run in runs:
     run["step_s"] = run["step_s"][2:]
     print(f"{label[:40]:40s} median {bench.summarize(run)['decode_ms_per_token']:.1f} ms")
+print(f"intra-op threads at the end: {torch.get_num_threads()}")
 pstats.Stats(profile).sort_stats("tottime").print_stats(12)
