@@ -59,6 +59,9 @@ class InertiaKV(DecodeEvict):
         budget = self.decode_budget(ctx)
         view = store.padded()
         view = view.replace(extra=extra)  # a new store object: the state given (and any snapshot of it) is untouched
+        # ...but it shows the same tensors: one that append() just built (no snapshot shows it) still evicts
+        # in place (selection.drop_lowest), not by a copy of the whole layer per step.
+        view._owned = view.keys is store.keys and getattr(store, "_owned", False)
         if view.aux is None:
             view.aux = torch.full(view.positions.shape, float("nan"), device=view.positions.device)
         if self.mode == "score_free":

@@ -374,7 +374,10 @@ def _decode_tracking_copies(model, cache, logits, steps: int):
     lambda: StreamingLLM(budget=1024),
     lambda: TOVA(budget=1024),
     lambda: H2O(budget=1024),
-], ids=["decode_evict-interval16", "decode_evict-every-step", "streaming_llm", "tova", "h2o"])
+    lambda: InertiaKV(scorer="keydiff", target_size=1024, mode="lazy", refresh=8),
+    lambda: InertiaKV(scorer="knorm", target_size=1024, mode="score_free", window=16),
+], ids=["decode_evict-interval16", "decode_evict-every-step", "streaming_llm", "tova", "h2o", "inertiakv-lazy",
+        "inertiakv-score_free"])
 def test_decode_time_eviction_works_in_place_and_keeps_what_copying_keeps(tiny, monkeypatch, make):
     """Appends write into spare slots and a one-token eviction moves the last slot into the evicted one, so the
     store is not copied per step (H2O's accumulated scores with it); the kept tokens are those of the
