@@ -73,7 +73,7 @@ def full_kv_16bit(model, tokens: int) -> int:
 
 def run(args) -> dict:
     from eval.runner import _read_jsonl, load_samples
-    from kvcomp import files, load_model
+    from kvcomp import files, load_model, tiers
     from kvcomp.contexts import load_context, model_fingerprint, save_prefilled
     from kvcomp.generation import generate, split_prompt, stop_token_ids
     from kvcomp.redis_store import LocalServer
@@ -99,9 +99,18 @@ def run(args) -> dict:
     stops = stop_token_ids(model, tokenizer)
     model_fingerprint(model)  # computed once per process, as a serving process would at start
     dir_root = Path(tempfile.mkdtemp(prefix="store-", dir=out))
-    server = None if args.redis else LocalServer(dir_root / "redis")
-    stores = {"dir": open_store(str(dir_root / "entries")), "redis": open_store(args.redis or server.url)}
+    server = None
+
+    def cleanup() -> None:  # the benchmark's own Redis and its stored plaintext K/V go at the end, or on SIGTERM
+        if server is not None:
+            server.stop()
+        if not args.keep_store:
+            shutil.rmtree(dir_root, ignore_errors=True)
+
+    tiers.on_sigterm_cleanup(("store-bench", str(dir_root)), cleanup)
     try:
+        server = None if args.redis else LocalServer(dir_root / "redis")
+        stores = {"dir": open_store(str(dir_root / "entries")), "redis": open_store(args.redis or server.url)}
         for length in args.lengths:
             for task_name in args.tasks:
                 task = load_samples(task_name, tokenizer, length=length, num_samples=args.samples, seed=args.seed)
@@ -157,10 +166,8 @@ def run(args) -> dict:
                         files.append_text(lossless_path, json.dumps(row) + "\n")
                     del pre
     finally:
-        if server is not None:
-            server.stop()
-        if not args.keep_store:
-            shutil.rmtree(dir_root, ignore_errors=True)
+        tiers.drop_cleanup(("store-bench", str(dir_root)))
+        cleanup()
     summary = summarize(rows, lossless_rows, args)
     if rows:
         _write_csv(out / "store_bench.csv", rows)

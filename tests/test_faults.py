@@ -196,6 +196,44 @@ def test_sigterm_cleanup_chains_the_applications_own_handler(tmp_path):
     assert marker.read_text() == "own handler ran" and not path.exists()
 
 
+STORE_BENCH_PAUSED = """
+    import sys, time
+    import kvcomp.redis_store, kvcomp.shared_prefill
+    from experiments import store_bench
+    servers = []
+    class Recorded(kvcomp.redis_store.LocalServer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            servers.append(self)
+    kvcomp.redis_store.LocalServer = Recorded
+    def paused(*args, **kwargs):  # the first sample's prefill: its stores are open, its Redis is running
+        print(servers[0].proc.pid, flush=True)
+        time.sleep(120)
+    kvcomp.shared_prefill.prefill = paused
+    store_bench.main(["--model", "tiny", "--lengths", "512", "--samples", "1", "--tasks", "ruler/niah_single_1",
+                      "--methods", "none", "--drafters", "--out", sys.argv[1]])
+"""
+
+
+def test_sigterm_stops_the_store_benchmarks_redis_and_removes_its_stored_kv(tmp_path):
+    out = tmp_path / "bench"
+    child = spawn(STORE_BENCH_PAUSED, str(out))
+    redis_pid = int(ready(child))
+    assert len(list(out.glob("store-*"))) == 1 and _alive(redis_pid)
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == -signal.SIGTERM
+    # before the fix: the store directory (plaintext K/V) stayed, and the redis-server went on listening
+    assert list(out.glob("store-*")) == [] and not _alive(redis_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited (nobody has reaped it yet)
+
+
 def test_what_sigkill_leaves_is_swept_at_the_next_start_and_live_tiers_are_kept(tmp_path):
     from kvcomp.tiers import DiskTier
 
