@@ -86,8 +86,10 @@ class TokenStore:
             return None
         out = []
         for i, (t, buf) in enumerate(zip(self.slot_tensors(), buffers)):
-            view = t is not None and buf is not None and (
-                t.data_ptr() == buf[:, :, self._start:].data_ptr() and t.stride() == buf.stride())
+            # A view of the buffer from slot _start on: the same strides, the data at that slot (pointer arithmetic
+            # instead of slicing the buffer: this runs several times per layer and decode step).
+            view = t is not None and buf is not None and t.stride() == buf.stride() and (
+                t.data_ptr() == buf.data_ptr() + self._start * buf.stride(2) * buf.element_size())
             if i < 3 and not view:
                 return None
             out.append(buf if view else None)
@@ -240,8 +242,7 @@ def drop_lowest(store: TokenStore, scores: torch.Tensor) -> TokenStore:
     slot earlier, a view of the same tensors (no copy; its slots are then no longer in position order, which
     nothing reads on a full-attention layer: attention, scores and budgets go by positions). Any other store
     is copied without the evicted slot, in position order."""
-    scores = scores.float()
-    ranked = torch.where(scores.isnan(), float("inf"), scores)
+    ranked = scores.float().nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
     lowest = ranked == ranked.amin(-1, keepdim=True)
     drop = torch.where(lowest, store.positions, SENTINEL).argmin(-1, keepdim=True)  # [B, H_kv, 1]: the oldest
     return (_evict_in_place if getattr(store, "_owned", False) else _evict_by_copy)(store, drop)
@@ -263,18 +264,18 @@ def _evict_in_place(store: TokenStore, drop: torch.Tensor) -> TokenStore:
     start = 0 if buffers is None else store._start
     if buffers is None:  # concatenated: its keys, values and positions are its own, now buffers
         buffers = (store.keys, store.values, store.positions, None, None)
+    b, h = drop.shape[:2]
+    index = (torch.arange(b, device=drop.device).view(b, 1), torch.arange(h, device=drop.device).view(1, h),
+             drop.view(b, h))  # slot drop[b, h] of row b and KV head h
     moved, kept_buffers = [], []
     for t, buf in zip(store.slot_tensors(), buffers):
         if t is None:
             moved.append(None)
-            kept_buffers.append(None)
-            continue
-        index = drop.view(*drop.shape, *[1] * (t.dim() - 3)).expand(*drop.shape, *t.shape[3:])
-        if buf is not None:
-            moved.append(t.scatter_(2, index, t[:, :, last:].clone())[:, :, :last])
+        elif buf is not None:  # the last slot's token (copied first: it is part of t) into the evicted slot
+            moved.append(t.index_put_(index, t.select(2, last).clone()).narrow(2, 0, last))
         else:
-            moved.append(t.scatter(2, index, t[:, :, last:])[:, :, :last].contiguous())
-        kept_buffers.append(buf)
+            moved.append(t.index_put(index, t.select(2, last)).narrow(2, 0, last).contiguous())
+        kept_buffers.append(None if t is None else buf)
     out = TokenStore(*moved, store.extra, all_real=True)
     out._buffers, out._start = tuple(kept_buffers), start
     return out
@@ -451,7 +452,12 @@ class TokenSelection(Compressor):
         if not self.over_budget(store.stored_tokens(), budget):
             return store
         view = store.padded()
-        return self.select(view, self.decode_score(view, ctx), budget, ctx)
+        scores = self.decode_score(view, ctx)
+        if self.transient_scores and view is store:
+            # This step's scores (TOVA's attention) are dropped after it anyway (after_attend): not moved with the
+            # evicted slot. The store object stays the same (its in-place eviction mark, _owned, with it).
+            store.scores = None
+        return self.select(view, scores, budget, ctx)
 
     def attend(self, layer, state, q, ctx):
         need = self.capabilities.needs_attention_weights
@@ -470,7 +476,10 @@ class TokenSelection(Compressor):
         if self.capabilities.decode_time and self.evict_after_attention:
             state = self.evict(state, ctx)
         if self.transient_scores and state.scores is not None:
-            state = state.replace(scores=None)
+            if isinstance(state, TokenStore):  # the layer's own store (a snapshot is another object): no copy
+                state.scores = None
+            else:
+                state = state.replace(scores=None)
         oldest = horizon(ctx.next_positions(), ctx.spec.window)
         return state if oldest is None else forget_before(state, oldest)
 
