@@ -77,6 +77,21 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None)
     return ok
 
 
+def reach(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> tuple[int, int]:
+    """The slots ``[lo, hi)`` of ``k_pos`` (``[B, H, L]``) that hold every key some query at ``q_pos`` (``[B, m]``)
+    sees by :func:`visible` (first to last such slot over all rows and heads; a slot between them that no query
+    sees stays for the mask to hide). ``(0, L)`` when no query sees any key. One host read: for long blocks, so
+    that a query chunk of a sliding-window layer attends to a band of keys, and a causal one skips the keys after
+    its last query."""
+    seen = k_pos <= q_pos.amax(1).view(-1, 1, 1)
+    if window is not None:
+        seen &= k_pos > q_pos.amin(1).view(-1, 1, 1) - window
+    slots = seen.any(1).any(0).nonzero()
+    if not len(slots):
+        return 0, k_pos.shape[-1]
+    return int(slots[0]), int(slots[-1]) + 1
+
+
 def horizon(next_pos: torch.Tensor, window: int | None) -> torch.Tensor | None:
     """The oldest position a query at ``next_pos`` or later can still see (None: every position)."""
     return None if window is None else next_pos - window + 1
@@ -144,21 +159,27 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
         out = torch.matmul(probs.to(v.dtype), v).reshape(b, hq, n, d)
         return out, (probs.view(b, hkv, g, 1, length) if need_weights else None)
     k_pos = k_pos.to(q_pos.dtype)
+    # A long block over many keys (a prefill, a question block): each query chunk attends only to the slots it
+    # can reach (a band on a sliding-window layer, no keys after its last query on a causal one). Not when the
+    # weights are returned: they cover every slot (a query that sees no key spreads over all of them).
+    banded = n > 1 and length > _QUERY_CHUNK and not need_weights
     outs, weights = [], []
     for start in range(0, n, _QUERY_CHUNK):
         stop = min(n, start + _QUERY_CHUNK)
         m = stop - start
         qc = q[:, :, start:stop].reshape(b, hkv, g * m, d)
-        mask = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, :], spec.window)
-        mask = mask | ~mask.any(-1, keepdim=True)  # [B, H_kv, 1, m, L]
-        mask = mask.expand(b, hkv, g, m, length).reshape(b, hkv, g * m, length)
+        lo, hi = reach(q_pos[:, start:stop], k_pos, spec.window) if banded else (0, length)
+        kc, vc = k[:, :, lo:hi], v[:, :, lo:hi]
+        mask = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, lo:hi], spec.window)
+        mask = mask | ~mask.any(-1, keepdim=True)  # [B, H_kv, 1, m, hi - lo]
+        mask = mask.expand(b, hkv, g, m, hi - lo).reshape(b, hkv, g * m, hi - lo)
         if need_weights or not spec.plain:
-            probs = attention_probs(qc, k, mask, spec, spec.grouped_sinks(hkv, m, q.device))
-            outs.append(torch.matmul(probs.to(v.dtype), v))
+            probs = attention_probs(qc, kc, mask, spec, spec.grouped_sinks(hkv, m, q.device))
+            outs.append(torch.matmul(probs.to(v.dtype), vc))
             if need_weights:
                 weights.append(probs.view(b, hkv, g, m, length))
         else:
-            outs.append(F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=spec.scaling))
+            outs.append(F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=spec.scaling))
     out = torch.cat([o.view(b, hkv, g, -1, d) for o in outs], dim=3).reshape(b, hq, n, d)
     return out, (torch.cat(weights, dim=3) if need_weights else None)
 

@@ -22,6 +22,7 @@ from tests.methods import NEEDS_ARTIFACT, exact, names
 
 NEW_TOKENS = 10
 # (compressor, family) pairs kvcomp refuses, and the words the refusal must contain.
+SLIDING = [f for f in FAMILIES if f in ("mistral_window", "qwen2", "gemma2", "gemma3_text", "gpt_oss")]
 REFUSED = {("kvtc", "cohere"): "rotates keys differently", ("kvtc", "gpt2"): "no rotary embedding"}
 
 
@@ -116,8 +117,7 @@ def test_sliding_layers_hold_at_most_their_window(family_models, family):
                 assert stored == spec.window - 1  # exactly what transformers' own sliding layer holds
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f in ("mistral_window", "qwen2", "gemma2", "gemma3_text",
-                                                              "gpt_oss")])
+@pytest.mark.parametrize("family", SLIDING)
 def test_uncompressed_memory_factor_is_one_against_transformers_cache(family_models, family):
     model, reference = family_models(family)
     ids, mask = prompts(1)
@@ -127,6 +127,49 @@ def test_uncompressed_memory_factor_is_one_against_transformers_cache(family_mod
     cache = CompressedCache(model, exact("snapkv"))
     generate(model, ids, mask, cache)
     assert cache.full_bytes() == resident  # the reference is what transformers' own (sliding) cache holds
+
+
+def test_reach_is_the_slot_range_of_every_key_a_query_chunk_sees():
+    from kvcomp.ops import SENTINEL, reach
+
+    k_pos = torch.tensor([[[SENTINEL, 0, 1, 2, 3, 4]]])  # one left-padding slot, then positions 0..4
+    q_pos = torch.tensor([[3, 4]])
+    assert reach(q_pos, k_pos, window=2) == (3, 6)  # query 3 sees 2, 3; query 4 sees 3, 4
+    assert reach(q_pos, k_pos) == (1, 6)  # causal: every real slot up to position 4
+    assert reach(torch.tensor([[1]]), k_pos) == (1, 3)  # nothing after the last query
+    assert reach(q_pos, torch.full((1, 1, 6), SENTINEL)) == (0, 6)  # no key seen: every slot (output unused)
+
+
+@pytest.mark.parametrize("family", SLIDING)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_long_prompts_attend_chunk_by_chunk_to_the_keys_each_chunk_reaches(family_models, monkeypatch, family,
+                                                                           batch):
+    """A prompt longer than a query chunk is attended chunk by chunk (8 queries here, so that prompts of a few
+    windows have several), each chunk over the slots it can reach: a band of about its window on a sliding
+    layer, nothing after its last query on a causal one (with padding; unpadded causal prefill is one call).
+    Tokens and logits equal plain generate, and a sliding layer's chunks attend to fewer keys than the prompt."""
+    from kvcomp import ops
+    from kvcomp.selection import WindowStore
+
+    monkeypatch.setattr(ops, "_QUERY_CHUNK", 8)
+    attended, reach = [], ops.reach
+
+    def spy(q_pos, k_pos, window=None):
+        lo, hi = reach(q_pos, k_pos, window)
+        attended.append((window, hi - lo, k_pos.shape[-1]))
+        return lo, hi
+
+    monkeypatch.setattr(ops, "reach", spy)
+    model, reference = family_models(family)
+    ids, mask = prompts(batch)
+    expected = generate(reference, ids, mask)
+    out = generate(model, ids, mask, CompressedCache(model, WindowStore()))
+    assert torch.equal(out.sequences, expected.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(out.logits, expected.logits)) < 1e-3
+    sliding = [(width, length) for window, width, length in attended if window is not None]
+    assert sliding and all(width < length for width, length in sliding)
+    if batch == 1:  # no padding: a chunk of 8 queries reaches its window before its first query and itself
+        assert all(width <= WINDOW - 1 + 8 for width, _ in sliding)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
