@@ -83,10 +83,9 @@ def reach(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -
     sees stays for the mask to hide). ``(0, L)`` when no query sees any key. One host read: for long blocks, so
     that a query chunk of a sliding-window layer attends to a band of keys, and a causal one skips the keys after
     its last query."""
-    seen = k_pos <= q_pos.amax(1).view(-1, 1, 1)
-    if window is not None:
-        seen &= k_pos > q_pos.amin(1).view(-1, 1, 1) - window
-    slots = seen.any(1).any(0).nonzero()
+    q_hi = q_pos.amax(1).view(-1, 1, 1)
+    band = None if window is None else window + (q_hi - q_pos.amin(1).view(-1, 1, 1))  # from the lowest query's window
+    slots = visible(q_hi, k_pos, band).any(1).any(0).nonzero()
     if not len(slots):
         return 0, k_pos.shape[-1]
     return int(slots[0]), int(slots[-1]) + 1
