@@ -18,7 +18,7 @@ import torch
 
 from kvcomp import validation
 from kvcomp.compressor import Capabilities
-from kvcomp.ops import AttentionSpec, attention_probs, rows_per_chunk, visible
+from kvcomp.ops import AttentionSpec, attention_probs, reach, rows_per_chunk, visible
 from kvcomp.selection import TokenSelection, TokenStore, recent_mask
 
 
@@ -44,14 +44,8 @@ def accumulated_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
         m = stop - start
-        # Slots some query of the chunk can see (positions within [lowest - window, highest]): a sliding layer
-        # touches a band of keys, not every earlier one.
-        q_lo, q_hi = q_pos[:, start:stop].min(), q_pos[:, start:stop].max()
-        band = None if spec.window is None else spec.window + (q_hi - q_lo)
-        reach = visible(q_hi, k_pos, band).any(0).any(0).nonzero()
-        if not len(reach):
-            continue
-        lo, hi = int(reach.min()), int(reach.max()) + 1
+        # Slots some query of the chunk can see: a sliding layer touches a band of keys, not every earlier one.
+        lo, hi = reach(q_pos[:, start:stop], k_pos, spec.window)
         qc = q[:, :, start:stop].reshape(b, hkv, g * m, d)
         allowed = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, lo:hi], spec.window)
         allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding queries: finite, then zero-weighted
