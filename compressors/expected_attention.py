@@ -29,24 +29,17 @@ from kvcomp.attention import UnsupportedModel, check_rope, rotary_embedding
 from kvcomp.compressor import CompressorError
 from kvcomp.ops import softcap, softmax, visible
 from kvcomp.selection import TokenSelection
-from kvcomp.transform_coding import _cos_sin, apply_rope, undo_rope
+from kvcomp.transform_coding import _cos_sin, apply_rope, rotate, undo_rope
 
 
-def average_rotation(start: torch.Tensor, n_future: int, inv_freq: torch.Tensor, scaling: float, dim: int
-                     ) -> torch.Tensor:
-    """``[B, D, D]`` matrix ``A`` with ``x @ A = mean_{j < n_future} rope(x, start[b] + j)`` for row vectors ``x``
-    (rotate-half RoPE on the first ``2 * len(inv_freq)`` channels, the rest unrotated)."""
+def average_rope(start: torch.Tensor, n_future: int, inv_freq: torch.Tensor, scaling: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[B, 2 * len(inv_freq)]`` of the rotation ``A`` averaged over the next ``n_future`` positions:
+    ``rotate(x, cos, sin) = x @ A = mean_{j < n_future} rope(x, start[b] + j)``, and ``rotate(x, cos, -sin) =
+    x @ A^T`` (``A`` is block-diagonal in rotate-half pairs, so neither is a ``D x D`` product)."""
     positions = start.view(-1, 1).float() + torch.arange(n_future, device=start.device).float().view(1, -1)
     cos, sin = _cos_sin(positions, inv_freq.to(start.device), scaling, torch.float32)  # [B, F, R]
-    c, s = cos.mean(1), sin.mean(1)  # [B, R]
-    rot, half = c.shape[-1], c.shape[-1] // 2
-    eye = torch.eye(dim, device=start.device)
-    out = eye.expand(start.numel(), dim, dim).clone()
-    out[:, :, :rot] = eye[:, :rot] * c.unsqueeze(1)
-    # rotate_half(x)[i] = -x[i + half] (i < half), x[i - half] (i >= half)
-    out[:, half:rot, :half] -= eye[half:rot, half:rot] * s[:, None, :half]
-    out[:, :half, half:rot] += eye[:half, :half] * s[:, None, half:]
-    return out
+    return cos.mean(1), sin.mean(1)
 
 
 @dataclass
@@ -122,22 +115,22 @@ class ExpectedAttention(TokenSelection):
         g = hq // hkv
         count = sums["q_count"].clamp_min(1.0).view(b, 1, 1)
         mu = sums["q_sum"] / count  # [B, H_q, D]
+        # mu_f . k and k^T S_f k with mu_f = A mu, S_f = A S A^T are mu . (A^T k) and (A^T k)^T S (A^T k): the
+        # keys are rotated back once (O(L D)) instead of S by A (O(D^3) per query head and step).
+        kr = keys.float()
         rope = self._rope_of(ctx)
         if rope is not None:
-            rot = average_rotation(next_pos, self.n_future, rope[0], rope[1], d)  # [B, D, D]
-            mu_f = torch.matmul(mu, rot)
-        else:
-            rot, mu_f = None, mu
-        kf = keys.float()
-        kg = kf.unsqueeze(2)  # [B, H_kv, 1, L, D]
+            cos, sin = average_rope(next_pos, self.n_future, rope[0], rope[1])
+            kr = rotate(kr, cos.view(b, 1, 1, -1), -sin.view(b, 1, 1, -1))
         s = ctx.spec.scaling
-        logits = torch.matmul(kg, mu_f.view(b, hkv, g, d, 1)).squeeze(-1) * s  # [B, H_kv, G, L]
+        logits = torch.matmul(kr, mu.view(b, hkv, g, d).transpose(-1, -2)) * s  # [B, H_kv, L, G]
         if self.use_covariance:
-            cov = sums["q_outer"] / count.unsqueeze(-1) - mu.unsqueeze(-1) * mu.unsqueeze(-2)
-            if rot is not None:
-                cov = rot.transpose(-1, -2).unsqueeze(1) @ cov @ rot.unsqueeze(1)
-            ks = torch.matmul(kg, cov.view(b, hkv, g, d, d))  # [B, H_kv, G, L, D]
-            logits = logits + 0.5 * s * s * (ks * kg).sum(-1)
+            cov = sums["q_outer"] / count.unsqueeze(-1) - mu.unsqueeze(-1) * mu.unsqueeze(-2)  # [B, H_q, D, D]
+            # One product for the whole query group: [L, D] @ [D, G * D].
+            cov = cov.view(b, hkv, g, d, d).permute(0, 1, 3, 2, 4).reshape(b, hkv, d, g * d)
+            quad = torch.linalg.vecdot(torch.matmul(kr, cov).view(b, hkv, length, g, d), kr.unsqueeze(-2))
+            logits = logits + 0.5 * s * s * quad
+        logits = logits.transpose(-1, -2)  # [B, H_kv, G, L]
         logits = softcap(logits, ctx.spec.softcap)
         allowed = visible(next_pos.view(b, 1, 1, 1), positions.unsqueeze(2), ctx.spec.window) & valid.unsqueeze(2)
         # The always-kept first n_sink tokens stay out of the softmax (as kvpress's press does): they draw most

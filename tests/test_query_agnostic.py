@@ -18,7 +18,7 @@ from compressors.adakv import AdaKV
 from compressors.criticalkv import CriticalKV, projected_value_norm
 from compressors.decode_evict import DecodeEvict, prefill_rank_score
 from compressors.duo_attention import DuoAttention
-from compressors.expected_attention import ExpectedAttention, average_rotation
+from compressors.expected_attention import ExpectedAttention, average_rope
 from compressors.h2o import H2O
 from compressors.inertiakv import InertiaKV
 from compressors.keydiff import KeyDiff, key_diff_score
@@ -35,7 +35,7 @@ from kvcomp.ops import SENTINEL, AttentionSpec, dense_attention
 from kvcomp.ragged import RaggedStore, ragged_attention
 from kvcomp.selection import TokenStore
 from kvcomp.shared_prefill import continue_from, prefill
-from kvcomp.transform_coding import apply_rope
+from kvcomp.transform_coding import apply_rope, rotate
 from tests.helpers import CONTEXTS, QUESTIONS
 
 LONG = "The grass is green. The sky is blue. " * 20 + "The magic number is 4172. " + "Here we go. " * 10
@@ -131,16 +131,38 @@ def test_expected_attention_closed_form_on_a_hand_case():
     assert ea2.score(q, k, v, ctx)[0, 0, 0] == float("inf")  # sinks are always kept
 
 
-def test_average_rotation_is_the_mean_of_the_rope_rotations():
+def test_average_rope_is_the_mean_of_the_rope_rotations_and_its_transpose():
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
     x = torch.randn(5, 8)
-    start = torch.tensor([7])
-    rot = average_rotation(start, 4, inv_freq, 1.3, 8)
+    cos, sin = average_rope(torch.tensor([7]), 4, inv_freq, 1.3)
     expected = torch.stack([apply_rope(x, torch.full((5,), 7 + j), inv_freq, 1.3) for j in range(4)]).mean(0)
-    assert torch.allclose(x @ rot[0], expected, atol=1e-5)
+    assert torch.allclose(rotate(x, cos, sin), expected, atol=1e-5)
+    matrix = rotate(torch.eye(8), cos, sin)  # rows: x @ A for the basis vectors, so this is A
+    assert torch.allclose(rotate(x, cos, -sin), x @ matrix.T, atol=1e-5)
     # Partial RoPE (the first 4 of 8 channels rotate): the other channels pass through.
-    rot = average_rotation(start, 3, inv_freq[:2], 1.0, 8)
-    assert torch.equal(rot[0, 4:, 4:], torch.eye(4))
+    cos, sin = average_rope(torch.tensor([7]), 3, inv_freq[:2], 1.0)
+    assert torch.equal(rotate(x, cos, sin)[:, 4:], x[:, 4:])
+
+
+def test_expected_attention_with_rope_equals_the_closed_form_with_the_rotated_statistics():
+    # The closed form as the paper writes it: mu_f = A mu, S_f = A S A^T with A the dense averaged rotation.
+    gen = torch.Generator().manual_seed(3)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    ea = ExpectedAttention(n_sink=0, n_future=5)
+    ea._rope = {False: (inv_freq, 1.0)}
+    b, hkv, g, n, d = 2, 2, 3, 6, 8
+    q = torch.randn(b, hkv * g, n, d, generator=gen)
+    k, v = torch.randn(b, hkv, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen)
+    ctx = ctx_for(torch.arange(n).expand(b, hkv, n), spec=AttentionSpec(scaling=0.7), g=g)
+    sums = ea.query_sums(q, ctx, torch.ones(b, n))
+    mu = sums["q_sum"] / n
+    cov = sums["q_outer"] / n - mu.unsqueeze(-1) * mu.unsqueeze(-2)
+    matrix = rotate(torch.eye(d), *average_rope(torch.tensor([n]), 5, inv_freq, 1.0))  # x @ A
+    mu_f, cov_f = mu @ matrix, matrix.T @ cov @ matrix
+    kg = k.repeat_interleave(g, dim=1)
+    logits = 0.7 * (kg @ mu_f.unsqueeze(-1)).squeeze(-1) + 0.5 * 0.49 * ((kg @ cov_f) * kg).sum(-1)
+    expected = logits.softmax(-1).view(b, hkv, g, n).mean(2) * v.norm(dim=-1)
+    assert torch.allclose(ea.score(q, k, v, ctx), expected, rtol=1e-4, atol=1e-6)
 
 
 def test_reconstruction_scores_are_the_max_attention_over_the_repetition():
