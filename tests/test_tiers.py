@@ -115,6 +115,36 @@ def test_disk_tier_files_are_removed_on_free_close_and_context_exit(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def resident_kib(path) -> int:
+    """This process's resident KiB of the mappings of file ``path`` (Linux's /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+                inside = fields[-1] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+def test_disk_tier_accesses_leave_none_of_the_file_resident(tmp_path):
+    # 20,001 tokens of 384 bytes (7.3 MiB): rows straddle pages, and an append or a read touches one part of
+    # the file, whose neighbouring pages a read fault may map as well.
+    tier = DiskTier(directory=tmp_path)
+    k, v = kv(20001, 0)
+    tier.write(0, k, v)
+    assert resident_kib(tier.file(0)) == 0
+    for n in (1, 1, 3, 40):
+        tier.append(0, *kv(n, n))
+        assert resident_kib(tier.file(0)) == 0
+    got = tier.read(0, 1000, 1011)
+    assert torch.equal(got[0], k[:, :, 1000:1011]) and resident_kib(tier.file(0)) == 0
+    tier.gather(0, torch.randint(0, 20001, (B, H, 50)))
+    assert resident_kib(tier.file(0)) == 0
+    tier.close()
+
+
 def test_disk_tier_is_removed_when_dropped_after_an_exception(tmp_path):
     def crash():
         tier = DiskTier(directory=tmp_path)
