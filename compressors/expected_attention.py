@@ -128,8 +128,8 @@ class ExpectedAttention(TokenSelection):
             cov = sums["q_outer"] / count.unsqueeze(-1) - mu.unsqueeze(-1) * mu.unsqueeze(-2)  # [B, H_q, D, D]
             # One product for the whole query group: [L, D] @ [D, G * D].
             cov = cov.view(b, hkv, g, d, d).permute(0, 1, 3, 2, 4).reshape(b, hkv, d, g * d)
-            quad = torch.linalg.vecdot(torch.matmul(kr, cov).view(b, hkv, length, g, d), kr.unsqueeze(-2))
-            logits = logits + 0.5 * s * s * quad
+            quad = torch.matmul(torch.matmul(kr, cov).view(b, hkv, length, g, d), kr.unsqueeze(-1))  # [.., L, G, 1]
+            logits = logits + 0.5 * s * s * quad.squeeze(-1)
         logits = logits.transpose(-1, -2)  # [B, H_kv, G, L]
         logits = softcap(logits, ctx.spec.softcap)
         allowed = visible(next_pos.view(b, 1, 1, 1), positions.unsqueeze(2), ctx.spec.window) & valid.unsqueeze(2)
