@@ -81,6 +81,10 @@ class RedisStore(Store):
                 "server or check the URL; nothing half-read was used.")) from None
         except r.ResponseError as err:
             if str(err).startswith("OOM") or "maxmemory" in str(err):
+                # Close the connections that carried the refused writes: the server keeps each one's query
+                # buffer (hundreds of KB after a batch of parts) until it goes, and would count it against the
+                # next write too, even after entries were deleted to make room.
+                self.client.connection_pool.disconnect()
                 raise StoreFull(f"store full: the Redis server {self.url} is at its maxmemory while {what} ({err}); "
                                 "nothing of the entry was kept. Delete entries (kvcomp store rm), raise maxmemory, "
                                 "or use another store.", self.url) from None
