@@ -141,7 +141,8 @@ class Retrieval(Compressor):
         validation.non_negative_int("n_sink", self.n_sink, owner=self)
         validation.non_negative_int("window", self.window, owner=self)
         validation.choice("tier", self.tier, ("auto", *TIER_KINDS), owner=self)
-        validation.boolean("speculative", self.speculative, owner=self)
+        validation.boolean("speculative", self.speculative, none=True, owner=self,
+                           hint=" (None: prefetch only where it can change the output or hide a transfer)")
         validation.boolean("overlap", self.overlap, owner=self)
         validation.finite_float("tau", self.tau, -1.0, 1.0, owner=self, hint=" (a cosine similarity)")
         validation.choice("correction", self.correction, CORRECTIONS, owner=self)
@@ -200,7 +201,7 @@ class Retrieval(Compressor):
         )
         if not self._advance(state):
             state.recent_k, state.recent_v = state.recent_k.clone(), state.recent_v.clone()
-        if self.speculative:
+        if self._speculates(state):
             self._prefetch_next(state, q, ctx.scaling)
         return state
 
@@ -223,17 +224,19 @@ class Retrieval(Compressor):
         st = state.stats
         st.decode_steps += 1
         st.head_steps += b * h
-        result = state.prefetcher.wait(state.step) if self.speculative else None
+        speculates = self._speculates(state)
+        result = state.prefetcher.wait(state.step) if speculates else None
         if result is None:
             result = state.prefetcher.fetch(state.step, self._request(state, units))
         else:
             spec = state.pending_units
             st.speculated += b * h
-            recall = _recall(spec, units, self._n_units(state))
-            st.recall_sum += float(recall.sum())
+            held = _members(units, spec, self._n_units(state))  # this step's units the prefetch holds
+            recall = float(held.float().mean(-1).sum()) if units.shape[-1] else float(b * h)
+            st.recall_sum += recall
             if self.correction == "missed":
-                result = self._fetch_missed(state, result, spec, units)
-                st.served_sum += float(recall.sum())  # the kept prefetched units; the missed ones were fetched
+                result = self._fetch_missed(state, result, spec, units, held)
+                st.served_sum += recall  # the kept prefetched units; the missed ones were fetched
             else:
                 result, units = self._correct_moved(state, qg, result, spec, units)
         keys, values, index = result.keys, result.values, result.request.index
@@ -243,7 +246,7 @@ class Retrieval(Compressor):
         out = self.attend_decode(state, q, ctx, keys, values, positions, units)
         st.decode_bytes += result.nbytes
         advanced = self._advance(state)
-        if self.speculative:
+        if speculates:
             # The selection this step's query made is the next step's speculation, unless the summary grew.
             self._prefetch_next(state, q, ctx.scaling, None if advanced else fresh)
         return out
@@ -263,12 +266,13 @@ class Retrieval(Compressor):
         units = torch.where(stale.unsqueeze(-1), _pad_units(units, spec.shape[-1]), spec)
         return _merge(result, fixed, stale, self.unit), units
 
-    def _fetch_missed(self, state: RetrievalState, result, spec: torch.Tensor, units: torch.Tensor):
+    def _fetch_missed(self, state: RetrievalState, result, spec: torch.Tensor, units: torch.Tensor,
+                      held: torch.Tensor):
         """``correction="missed"``: keep the prefetched units this step's own selection wants and fetch the ones
-        the prefetch missed; the step attends exactly what ``speculative=False`` would."""
-        same = spec.unsqueeze(-1) == units.unsqueeze(-2)  # [B, H, k_spec, k]
-        wanted = same.any(-1)
-        missed = units.masked_fill(same.any(-2), -1)
+        the prefetch missed (``held``: which of ``units`` it holds); the step attends exactly what
+        ``speculative=False`` would."""
+        wanted = _members(spec, units, self._n_units(state))
+        missed = units.masked_fill(held, -1)
         has_missed = (missed >= 0).any(-1)
         state.stats.corrected += int(has_missed.sum())
         fixed = state.prefetcher.fetch(state.step, self._request(state, missed)) if bool(has_missed.any()) else None
@@ -319,7 +323,7 @@ class Retrieval(Compressor):
     def restored(self, layer, state: RetrievalState, convert: bool = True) -> RetrievalState:
         """A state read back from a store (its tier now a :class:`kvcomp.store.StoreTier` over the stored full
         KV): restart the prefetch the prefill had submitted for the first decode step."""
-        if self.speculative and state.pending_units is not None:
+        if self._speculates(state) and state.pending_units is not None:
             state.prefetcher.submit(state.step + 1, self._request(state, state.pending_units))
         return state
 
@@ -328,6 +332,15 @@ class Retrieval(Compressor):
         return torch.full((b, h), state.length, dtype=torch.long, device=state.sink_k.device)
 
     # -- machinery -----------------------------------------------------------------------------------------
+    def _speculates(self, state: RetrievalState) -> bool:
+        """``speculative``; None: prefetch where it can change the output (``correction="cosine"``) or hide a
+        transfer (a CUDA device's tiers; a store over the network), not with ``correction="missed"`` over this
+        CPU's own memory or page cache, where a fetch is a memory gather and prefetching adds one (the
+        speculated units, then the missed ones, merged) on the cores the step computes on."""
+        if self.speculative is not None:
+            return self.speculative
+        return self.correction != "missed" or state.sink_k.device.type != "cpu" or state.tier.kind == "store"
+
     def _n_units(self, state: RetrievalState) -> int:
         return (state.boundary - state.n_sink) // self.unit
 
@@ -398,7 +411,7 @@ class Retrieval(Compressor):
         positions = self._positions(state, 0, state.length, q)
         out, _ = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.spec)
         self._advance(state)
-        if self.speculative:
+        if self._speculates(state):
             self._prefetch_next(state, q, ctx.scaling)
         return out
 
@@ -444,13 +457,13 @@ def _complete(spec, wanted: torch.Tensor, fixed, unit: int, width: int):
     return type(spec)(FetchRequest(spec.request.tier, spec.request.layer, index), keys, values, nbytes, spec.version)
 
 
-def _recall(spec: torch.Tensor, needed: torch.Tensor, n_units: int) -> torch.Tensor:
-    """``[B, H]`` fraction of the ``needed`` units (``[B, H, k]``) that the speculative ``spec`` holds."""
-    if needed.shape[-1] == 0 or n_units == 0:
-        return torch.ones(needed.shape[:2])
-    held = torch.zeros(*spec.shape[:2], n_units, dtype=torch.bool, device=spec.device)
-    held.scatter_(2, spec, True)
-    return held.gather(2, needed).float().mean(-1)
+def _members(units: torch.Tensor, among: torch.Tensor, n_units: int) -> torch.Tensor:
+    """``[B, H, k]`` whether each of ``units`` (``[B, H, k]``, -1: none) is one of ``among`` (``[B, H, k2]``,
+    -1: none), every unit below ``n_units``: one mask over the units, not a ``k x k2`` comparison."""
+    mask = torch.zeros(*among.shape[:2], n_units + 1, dtype=torch.bool, device=among.device)
+    mask.scatter_(2, among.masked_fill(among < 0, n_units), True)
+    mask[..., n_units] = False
+    return mask.gather(2, units.masked_fill(units < 0, n_units))
 
 
 def retrieval_stats(cache) -> dict[str, float]:

@@ -136,11 +136,13 @@ def fraction(name: str, value: Any, *, low_open: bool = False, high_open: bool =
                         hint=hint, error=error)
 
 
-def boolean(name: str, value: Any, *, owner: Any = None, hint: str = "",
-            error: type[Exception] = CompressorError) -> bool:
-    """``True`` or ``False`` (not a string such as ``"no"``, not 0/1)."""
+def boolean(name: str, value: Any, *, none: bool = False, owner: Any = None, hint: str = "",
+            error: type[Exception] = CompressorError) -> bool | None:
+    """``True`` or ``False`` (not a string such as ``"no"``, not 0/1); ``None`` too when ``none``."""
+    if value is None and none:
+        return value
     if not isinstance(value, bool):
-        _fail(name, "True or False", value, owner, hint, error)
+        _fail(name, "True, False or None" if none else "True or False", value, owner, hint, error)
     return value
 
 
