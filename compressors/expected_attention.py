@@ -29,17 +29,23 @@ from kvcomp.attention import UnsupportedModel, check_rope, rotary_embedding
 from kvcomp.compressor import CompressorError
 from kvcomp.ops import softcap, softmax, visible
 from kvcomp.selection import TokenSelection
-from kvcomp.transform_coding import _cos_sin, apply_rope, rotate, undo_rope
+from kvcomp.transform_coding import apply_rope, rotate, undo_rope
 
 
 def average_rope(start: torch.Tensor, n_future: int, inv_freq: torch.Tensor, scaling: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[B, 2 * len(inv_freq)]`` of the rotation ``A`` averaged over the next ``n_future`` positions:
     ``rotate(x, cos, sin) = x @ A = mean_{j < n_future} rope(x, start[b] + j)``, and ``rotate(x, cos, -sin) =
-    x @ A^T`` (``A`` is block-diagonal in rotate-half pairs, so neither is a ``D x D`` product)."""
-    positions = start.view(-1, 1).float() + torch.arange(n_future, device=start.device).float().view(1, -1)
-    cos, sin = _cos_sin(positions, inv_freq.to(start.device), scaling, torch.float32)  # [B, F, R]
-    return cos.mean(1), sin.mean(1)
+    x @ A^T`` (``A`` is block-diagonal in rotate-half pairs, so neither is a ``D x D`` product).
+
+    In closed form (float64): ``mean_j e^{i t (p + j)} = e^{i t (p + (F - 1) / 2)} sin(F t / 2) / (F sin(t / 2))``
+    for each frequency ``t``, so nothing is summed over the ``F`` positions."""
+    t = inv_freq.to(device=start.device, dtype=torch.float64)
+    half = torch.sin(t / 2)
+    gain = torch.where(half.abs() > 1e-12, torch.sin(n_future * t / 2) / (n_future * half), torch.ones_like(t))
+    angle = (start.view(-1, 1).double() + (n_future - 1) / 2) * t  # [B, R / 2]
+    cos, sin = torch.cos(angle) * gain * scaling, torch.sin(angle) * gain * scaling
+    return torch.cat([cos, cos], -1).float(), torch.cat([sin, sin], -1).float()
 
 
 @dataclass
