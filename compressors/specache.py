@@ -48,9 +48,9 @@ When to speculate. With ``correction="missed"`` the prefetch cannot change the o
 time, so by default (``speculative=None``) SpeCache prefetches where a fetch crosses a bus or a network (the
 tiers of a CUDA device, a store) and fetches synchronously where the full KV is in this CPU's memory or page
 cache: there a fetch is a memory gather on the cores the step computes on, and speculating does more of them
-(the prefetched units, then the missed ones, merged in order). Measured on SmolLM2-135M at 8K (float32, 2
-threads, disk tier): 120 ms per token synchronous against 157-166 speculative, at 2K 68 against 75.
-``speculative=True`` prefetches everywhere.
+(the prefetched units, then the missed ones, merged in order). Measured on SmolLM2-135M (float32, 2 threads,
+disk tier; ``experiments/results/bench-retrieval-ea-embedded``): 117 ms per token synchronous against 150
+speculative at 8K, 66 against 73 at 2K. ``speculative=True`` prefetches everywhere.
 """
 
 from __future__ import annotations
