@@ -387,3 +387,23 @@ def test_embedded_model_whole_budget_identity_and_needle(embedded, embedded_refe
                    compressor=make(budget_fraction=0.25))
     assert score("niah_single_1", out.text, s.outputs) == 100
     assert out.memory_factor >= 4.0
+
+
+def test_specache_speculates_from_a_store_and_not_over_this_cpus_page_cache(tiny, tmp_path):
+    """speculative=None: with its exact correction a prefetch only hides transfer time; none over the disk tier
+    of a CPU (the page cache), one per step once the full KV is read from a store."""
+    from kvcomp.contexts import load_context, save_context
+    from kvcomp.generation import generate_ids, split_prompt
+
+    model, tokenizer = tiny
+
+    def make():
+        return SpeCache(group_size=8, top_k=2, n_sink=2, window=8)  # tier "auto": disk on the CPU
+
+    _, alone = generate_ids(model, [split_prompt(tokenizer, CONTEXTS[0], QUESTIONS[0])], make(), max_new_tokens=12)
+    saved = save_context(model, tokenizer, CONTEXTS[0], compressor=make(), store=str(tmp_path / "store"))
+    _, stored = load_context(model, saved.key, str(tmp_path / "store")).continue_ids(model, None, 12)
+    assert {type(layer.state.tier).__name__ for layer in stored["cache"].layers} == {"StoreTier"}
+    local, remote = retrieval_stats(alone["cache"]), retrieval_stats(stored["cache"])
+    assert local["decode_steps"] > 0 and math.isnan(local["recall"]) and local["hit_rate"] == 0
+    assert remote["decode_steps"] > 0 and 0 <= remote["recall"] <= 1 and remote["hit_rate"] > 0
