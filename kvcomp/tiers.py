@@ -116,10 +116,9 @@ class Tier:
     def _release(self, layer: int) -> None:
         pass
 
-    def _drop_pages(self, layer: int, rows: tuple[int, int] | None = None) -> None:
-        """After an access to tokens ``rows`` (``[start, stop)``; None: anywhere in the layer): give back whatever
-        of the layer's storage the access made resident in this process (a mapped file's pages). Default:
-        nothing (the storage is the process's memory by design)."""
+    def _drop_pages(self, layer: int) -> None:
+        """After an access: give back whatever of the layer's storage the access made resident in this process
+        (a mapped file's pages). Default: nothing (the storage is the process's memory by design)."""
 
     # -- API -------------------------------------------------------------------------------------------
     @property
@@ -168,7 +167,7 @@ class Tier:
             b = min(n, a + WRITE_CHUNK)
             kv = torch.stack([k[:, :, a:b], v[:, :, a:b]], dim=3).permute(2, 0, 1, 3, 4)  # [b - a, B, H, 2, D]
             slot.data[slot.length + a : slot.length + b] = kv.to(slot.data.device, slot.data.dtype)
-        self._drop_pages(layer, (slot.length, slot.length + n))
+        self._drop_pages(layer)
         slot.length += n
         self.bytes_written += 2 * k.numel() * slot.data.element_size()
 
@@ -188,7 +187,7 @@ class Tier:
             out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device, pin_memory=self._pin_out(kv))
             out.copy_(kv)
             self.bytes_read += out.numel() * out.element_size()
-            self._drop_pages(layer, (start, stop))
+            self._drop_pages(layer)
         out = self._to(out, device, non_blocking)
         return out[..., 0, :], out[..., 1, :]
 
@@ -429,9 +428,6 @@ def install_sigterm_cleanup() -> bool:
     return True
 
 
-_FAULT_AROUND = 1 << 21  # bytes: the aligned window of cached pages a read fault may map (see _drop_pages)
-
-
 class DiskTier(Tier):
     """One memory-mapped file per layer (``layer<i>.kv``) in a private directory under ``directory``
     (default: ``$KVCOMP_OFFLOAD_DIR`` or the system temporary directory). The files hold plaintext K/V: see
@@ -521,24 +517,12 @@ class DiskTier(Tier):
         tail, dtype = self._meta[layer]
         return self._map(layer, capacity, tail, dtype, create=False)
 
-    def _drop_pages(self, layer, rows=None):
+    def _drop_pages(self, layer):
         # The file's pages stay in the OS page cache (written back when the kernel decides); unmapping them here
-        # keeps them out of this process's resident memory, so the offloaded KV does not count against it. Only
-        # around the rows accessed, when known (a decode step's append touches a page, not the layer): the
-        # aligned 2 MiB windows that hold them, as a read fault maps neighbouring cached pages too (Linux's
-        # fault-around, and the whole of a large folio, at most 2 MiB on x86-64).
-        array = self._maps.get(layer)
-        mm = getattr(array, "_mmap", None)
-        if mm is None or not hasattr(mm, "madvise"):
-            return
-        if rows is None:
+        # keeps them out of this process's resident memory, so the offloaded KV does not count against it.
+        mm = getattr(self._maps.get(layer), "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise"):
             mm.madvise(mmap.MADV_DONTNEED)
-            return
-        row = math.prod(array.shape[1:])
-        start = rows[0] * row // _FAULT_AROUND * _FAULT_AROUND
-        stop = min(len(mm), -(-rows[1] * row // _FAULT_AROUND) * _FAULT_AROUND)
-        if stop > start:
-            mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def _release(self, layer):
         self._maps.pop(layer, None)
