@@ -116,6 +116,7 @@ class Retrieval(Compressor):
     "disk", "host" or "ram". offload_dir: where the disk tier writes (None: $KVCOMP_OFFLOAD_DIR or /tmp).
     correction: how a speculative prefetch is corrected, "cosine" (heads whose query moved below ``tau``
     refetch) or "missed" (fetch exactly the units the prefetch missed; output identical to exact retrieval).
+    speculative: True, False, or None (prefetch only where it can change the output or hide a transfer).
     """
 
     budget_fraction: float | None = 0.125
@@ -123,7 +124,7 @@ class Retrieval(Compressor):
     n_sink: int = 4
     window: int = 32
     tier: str = "auto"
-    speculative: bool = True
+    speculative: bool | None = True  # None: where it can pay (_speculates); SpeCache's default
     overlap: bool = True
     tau: float = 0.8
     correction: str = "cosine"
