@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvcomp import __version__ as KVCOMP_VERSION
 from kvcomp.compressor import Compose, Compressor, CompressorError
 from kvcomp.store import (
     KeyEvicted,
@@ -63,7 +64,6 @@ from kvcomp.tiers import Prefetcher, Tier
 
 FORMAT = "kvcomp-context"
 FORMAT_VERSION = 1
-KVCOMP_VERSION = "0.1.0"  # kvcomp.__version__ (kept here too: kvcomp/__init__ imports this module)
 PROBE_QUESTION = "\nIs this a probe?"
 _PLACEHOLDER = "placeholder context"
 

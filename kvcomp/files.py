@@ -10,6 +10,8 @@
   record. The kernel drops the lock when its process ends, however it ends, so a stale lock cannot exist.
   Within one process the lock is re-entrant (``experiments.run`` holds its run directory and calls
   :func:`eval.runner.run`, which asks for it again).
+* :func:`cache_dir` is kvcomp's own cache (converted models, calibration artifacts, the compiled CPU kernel, the
+  default store): ``$KVCOMP_CACHE``, else ``$XDG_CACHE_HOME/kvcomp``, else ``~/.cache/kvcomp``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ from pathlib import Path
 from typing import IO
 
 from kvcomp.validation import ResourceError
+
+
+def cache_dir() -> Path:
+    """kvcomp's cache directory (not created here)."""
+    root = os.environ.get("KVCOMP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvcomp"
+    )
+    return Path(root)
+
 
 LOCK_NAME = ".kvcomp-run.lock"
 

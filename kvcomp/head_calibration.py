@@ -36,7 +36,7 @@ _WORDS = ["apple", "river", "copper", "lantern", "meadow", "violet", "harbor", "
 
 
 def default_artifact_path(model) -> Path:
-    from kvcomp.models import cache_dir
+    from kvcomp.files import cache_dir
 
     return cache_dir() / "heads" / f"heads-{model_identity(model)['config_hash']}.safetensors"
 

@@ -109,7 +109,7 @@ def rotary(model) -> tuple[torch.Tensor, float]:
 
 
 def default_artifact_path(model) -> Path:
-    from kvcomp.models import cache_dir
+    from kvcomp.files import cache_dir
 
     return cache_dir() / "kvtc" / f"kvtc-{model_identity(model)['config_hash']}.safetensors"
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from kvcomp.files import cache_dir
 from kvcomp.validation import UsageError
 
 
@@ -97,13 +98,6 @@ def check_model_name(name: str) -> None:
         f"{hint}kvcomp does not download models at run time; to use a Hub model, download it on purpose first "
         f"(`hf download {name}`, or `huggingface-cli download {name}`) and pass the same id again."
     )
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("KVCOMP_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvcomp"
-    )
-    return Path(root)
 
 
 def _package_dir(spec: EmbeddedModel) -> Path:

@@ -348,7 +348,7 @@ def store_schemes() -> list[str]:
 
 
 def default_store_url() -> str:
-    from kvcomp.models import cache_dir
+    from kvcomp.files import cache_dir
 
     return os.environ.get("KVCOMP_STORE") or str(cache_dir() / "store")
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from kvcomp.files import cache_dir
+
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
@@ -516,8 +518,6 @@ def enabled() -> bool:
 
 
 def _build_dir() -> Path:
-    from kvcomp.models import cache_dir
-
     return cache_dir() / "kernels"
 
 
