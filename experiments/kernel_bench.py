@@ -8,10 +8,15 @@ heads, 8 KV heads, head dim 128) this times
   packed codes, scales, zero points and positions;
 * ``sparse``: sparse decode attention over 1/8 of the tokens in pages of 16, reading the selected bf16 K/V;
 * ``dense``: torch's sdpa over the full bf16 cache (the baseline a compressed cache must beat);
+* ``key-scores``: SpeCache's approximate logits of every token from its 2-bit key copy (group 64), reduced over
+  each KV head's query group (the fused retrieval scorer);
+* ``page-scores``: FreeKV / Quest page bounds from per-page bf16 key extremes (pages of 32);
 
-and reports bytes read / time against the bandwidth of a large device-to-device copy (bytes read + written
-per second: a kernel that only reads can approach it). ``--tiny`` runs a few hundred tokens (on the CPU
-under ``TRITON_INTERPRET=1`` it checks the script, not the speed).
+and reports bytes moved / time against the bandwidth of a large device-to-device copy (bytes read + written
+per second: a kernel that only reads can approach it). The attention kernels' bytes are what they read (their
+output is one row per head); a scorer's are what it reads plus the float32 score per token or page it writes.
+``--tiny`` runs a few hundred tokens (on the CPU under ``TRITON_INTERPRET=1`` it checks the script, not the
+speed).
 """
 
 from __future__ import annotations
@@ -124,11 +129,39 @@ def run(contexts: list[int], device: str, heads: int = 8, groups: int = 4, dim: 
                          warmup, repeats))[repeats // 2]
         rows.append(dict(kernel="dense-sdpa-bf16", tokens=length, bytes=read, seconds=t, gb_s=read / t / 1e9,
                          of_copy=read / t / copy, max_abs_err=0.0))
-        for row in rows[-4:]:
+        rows += scorer_rows(q, length, heads, dim, group, page, copy, device, warmup, repeats)
+        for row in rows[-6:]:
             log(f"{row['kernel']:18s} {row['tokens']:>7} tokens  {row['seconds'] * 1e6:9.1f} us  "
                 f"{row['gb_s']:8.1f} GB/s  {row['of_copy']:.2f} of copy  err {row['max_abs_err']:.1e}")
     return {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
             "copy_bandwidth_bytes_s": copy, "heads": heads, "groups": groups, "dim": dim, "rows": rows}
+
+
+def scorer_rows(q, length: int, heads: int, dim: int, group: int, page: int, copy: float, device, warmup: int,
+                repeats: int, bits: int = 2, score_group: int = 64, page_tokens: int = 32) -> list[dict]:
+    """The retrieval scorers at SpeCache's and FreeKV's defaults (bits 2, group 64; pages of 32)."""
+    from kvcomp.kernels import quant_ref, retrieval_ref, retrieval_triton
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    keys = torch.randn(1, heads, length // score_group, score_group, dim, device=device, dtype=torch.bfloat16,
+                       generator=gen)
+    kc, ks, kz = quant_ref.quantize_keys(keys, bits)
+    keys = keys.flatten(2, 3)[:, :, : length // page_tokens * page_tokens].unflatten(2, (-1, page_tokens))
+    page_max, page_min = keys.amax(3).contiguous(), keys.amin(3).contiguous()
+    del keys
+    cases = [
+        (f"key-scores{bits}", (q, kc, ks, kz, bits, dim**-0.5), retrieval_triton.quant_key_scores,
+         retrieval_ref.quant_key_scores, nbytes(q, kc, ks, kz) + heads * length * 4),
+        ("page-scores", (q, page_max, page_min), retrieval_triton.page_scores, retrieval_ref.page_scores,
+         nbytes(q, page_max, page_min) + heads * page_max.shape[2] * 4),
+    ]
+    rows = []
+    for name, args, kernel, reference, moved in cases:
+        err = float((kernel(*args) - reference(*args)).abs().max())
+        t = sorted(timed(lambda a=args, k=kernel: k(*a), device, warmup, repeats))[repeats // 2]
+        rows.append(dict(kernel=name, tokens=length, bytes=moved, seconds=t, gb_s=moved / t / 1e9,
+                         of_copy=moved / t / copy, max_abs_err=err))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

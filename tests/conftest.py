@@ -9,6 +9,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # imported; on a CUDA machine (experiments/gpu_check.sh) they run compiled on the GPU instead.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tiny models' device: cpu here and in CI; experiments/gpu_check.sh runs the contract suite's end-to-end
+# tests with KVCOMP_TEST_DEVICE=cuda (the compressors' CUDA paths and the Triton kernels inside a model).
+TEST_DEVICE = os.environ.get("KVCOMP_TEST_DEVICE", "cpu")
 # OMP_NUM_THREADS wins when set: on a shared, loaded machine two threads per tiny op thrash (~6x slower).
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or min(2, os.cpu_count() or 1))
 
@@ -18,7 +21,7 @@ def tiny():
     """(model, tokenizer) of the random 2-layer Llama; kvcomp installs its attention on it."""
     from kvcomp import load_model
 
-    return load_model("tiny")
+    return load_model("tiny", device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +30,7 @@ def tiny64():
     checks the logic (padding, per-row budgets) rather than float32 rounding on near-tied scores."""
     from kvcomp import load_model
 
-    return load_model("tiny", dtype=torch.float64)
+    return load_model("tiny", dtype=torch.float64, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +38,7 @@ def tiny_reference():
     """An identical tiny model left on transformers' own sdpa attention: the 'without kvcomp' reference."""
     from kvcomp import load_model
 
-    model, tokenizer = load_model("tiny")
+    model, tokenizer = load_model("tiny", device=TEST_DEVICE)
     model.set_attn_implementation("sdpa")
     return model, tokenizer
 

@@ -326,7 +326,7 @@ def test_kernel_benchmark_script_runs_at_tiny_size(tmp_path):
 
     result = json.loads((tmp_path / "kernel_bench.json").read_text())
     kinds = {row["kernel"] for row in result["rows"]}
-    assert kinds == {"quant4-ieee", "quant4-tf32", "sparse-1/4", "dense-sdpa-bf16"}
+    assert kinds == {"quant4-ieee", "quant4-tf32", "sparse-1/4", "dense-sdpa-bf16", "key-scores2", "page-scores"}
     assert all(row["max_abs_err"] < 0.05 and row["gb_s"] > 0 for row in result["rows"])
 
 
