@@ -389,6 +389,31 @@ def test_embedded_model_whole_budget_identity_and_needle(embedded, embedded_refe
     assert out.memory_factor >= 4.0
 
 
+def test_fetches_run_in_a_thread_only_where_they_are_transfers(tiny, tmp_path):
+    """overlap=None: FreeKV's fetches run inline over this CPU's disk tier (the page cache: a thread would only
+    contend for the same cores) and in the background once the full KV is read from a store; which one never
+    changes the tokens, and overlap=True / False still force either way."""
+    from kvcomp.contexts import load_context, save_context
+    from kvcomp.generation import generate_ids, split_prompt
+
+    model, tokenizer = tiny
+    prompt = [split_prompt(tokenizer, CONTEXTS[0], QUESTIONS[0])]
+
+    def run(**kw):
+        ids, stats = generate_ids(model, prompt, FreeKV(page_size=4, top_k=2, n_sink=2, window=8, **kw),
+                                  max_new_tokens=12)
+        return ids, {layer.state.prefetcher.overlap for layer in stats["cache"].layers}
+
+    (default, inline), (forced, threads), (off, never) = run(), run(overlap=True), run(overlap=False)
+    assert (inline, threads, never) == ({False}, {True}, {False})
+    assert default == forced == off
+    saved = save_context(model, tokenizer, CONTEXTS[0], compressor=FreeKV(page_size=4, top_k=2, n_sink=2, window=8),
+                         store=str(tmp_path / "store"))
+    _, stored = load_context(model, saved.key, str(tmp_path / "store")).continue_ids(model, None, 12)
+    assert {layer.state.prefetcher.overlap for layer in stored["cache"].layers} == {True}
+    assert all(layer.state.prefetcher.stats.prefetches > 0 for layer in stored["cache"].layers)
+
+
 def test_specache_speculates_from_a_store_and_not_over_this_cpus_page_cache(tiny, tmp_path):
     """speculative=None: with its exact correction a prefetch only hides transfer time; none over the disk tier
     of a CPU (the page cache), one per step once the full KV is read from a store."""
