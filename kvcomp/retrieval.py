@@ -22,7 +22,7 @@ each fetch only when it is needed (no overlap: the baseline to measure what over
 default, fetches in a background thread only where a fetch is a transfer that can run beside the step (a CUDA
 device's tiers, a store), and when needed where it is a gather from this CPU's own memory or page cache: there
 the thread only contends with the step for the same cores and the interpreter lock (FreeKV at 8K on SmolLM2,
-2 threads: 123 ms/token overlapped, 104 not);
+2 threads: 116.5 ms/token overlapped, 102.5 not; experiments/results/bench-freekv-overlap-embedded);
 ``speculative=False`` selects with the step's own query and fetches synchronously (exact retrieval).
 ``correction="missed"`` replaces the cosine rule: every step the units the step's own query selects are
 compared with the prefetched ones, the prefetched units it wants are kept and only the ones the prefetch missed
