@@ -67,7 +67,7 @@ echo "== end to end on the GPU: the contract suite's generation tests, every com
 # prompt alone: on CUDA tensors, through the compressors' GPU paths and the Triton kernels inside a model. This
 # needs the transformers range of pyproject.toml; a GPU image with another one skips the stage and says so.
 if "$PY" -c "import kvcomp.cache, kvcomp.attention, kvcomp.generation" 2>/tmp/gpu_check_import.txt; then
-    KVCOMP_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" \
+    KVCOMP_TEST_DEVICE=cuda timeout 120 "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" \
         tests/test_contract.py -k "exact_setting or lossless_decoding or batch_equals" -rf --durations=5 2>&1 \
         | tee "$OUT/test_end_to_end.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
