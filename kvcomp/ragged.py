@@ -73,11 +73,14 @@ class RaggedStore:
     def from_dense(cls, store, keep: torch.Tensor | None = None) -> RaggedStore:
         """The real slots of a padded ``TokenStore`` (``[B, H, L]`` slots; ``keep`` narrows them), in slot order."""
         mask = store.valid if keep is None else store.valid & keep
+        index = mask.nonzero(as_tuple=True)  # found once for every per-slot tensor
+
+        def take(t):
+            return None if t is None else t[index]
+
         return cls(
-            keys=store.keys[mask], values=store.values[mask], positions=store.positions[mask],
-            lengths=mask.sum(-1).to(torch.int64),
-            scores=None if store.scores is None else store.scores[mask],
-            aux=None if getattr(store, "aux", None) is None else store.aux[mask],
+            keys=take(store.keys), values=take(store.values), positions=take(store.positions),
+            lengths=mask.sum(-1).to(torch.int64), scores=take(store.scores), aux=take(getattr(store, "aux", None)),
             extra=getattr(store, "extra", None),
         )
 
@@ -133,12 +136,13 @@ class RaggedStore:
         n_seg = self.lengths.numel()
         lengths = torch.zeros(n_seg, dtype=torch.int64, device=keep.device)
         lengths.index_add_(0, self.segment_ids(), keep.to(torch.int64))
-        return RaggedStore(
-            self.keys[keep], self.values[keep], self.positions[keep], lengths.view(self.shape),
-            None if self.scores is None else self.scores[keep],
-            None if self.aux is None else self.aux[keep],
-            self.extra,
-        )
+        index = keep.nonzero().squeeze(1)  # found once for every per-token tensor
+
+        def take(t):
+            return None if t is None else t.index_select(0, index)
+
+        return RaggedStore(take(self.keys), take(self.values), take(self.positions), lengths.view(self.shape),
+                           take(self.scores), take(self.aux), self.extra)
 
     def cat(self, other) -> RaggedStore:
         """Append a dense block (``TokenStore`` ``[B, H, n]``; SENTINEL slots dropped) after each segment."""
