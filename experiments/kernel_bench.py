@@ -129,7 +129,7 @@ def run(contexts: list[int], device: str, heads: int = 8, groups: int = 4, dim: 
                          warmup, repeats))[repeats // 2]
         rows.append(dict(kernel="dense-sdpa-bf16", tokens=length, bytes=read, seconds=t, gb_s=read / t / 1e9,
                          of_copy=read / t / copy, max_abs_err=0.0))
-        rows += scorer_rows(q, length, heads, dim, group, page, copy, device, warmup, repeats)
+        rows += scorer_rows(q, length, heads, dim, copy, device, warmup, repeats)
         for row in rows[-6:]:
             log(f"{row['kernel']:18s} {row['tokens']:>7} tokens  {row['seconds'] * 1e6:9.1f} us  "
                 f"{row['gb_s']:8.1f} GB/s  {row['of_copy']:.2f} of copy  err {row['max_abs_err']:.1e}")
@@ -137,8 +137,8 @@ def run(contexts: list[int], device: str, heads: int = 8, groups: int = 4, dim: 
             "copy_bandwidth_bytes_s": copy, "heads": heads, "groups": groups, "dim": dim, "rows": rows}
 
 
-def scorer_rows(q, length: int, heads: int, dim: int, group: int, page: int, copy: float, device, warmup: int,
-                repeats: int, bits: int = 2, score_group: int = 64, page_tokens: int = 32) -> list[dict]:
+def scorer_rows(q, length: int, heads: int, dim: int, copy: float, device, warmup: int, repeats: int,
+                bits: int = 2, score_group: int = 64, page_tokens: int = 32) -> list[dict]:
     """The retrieval scorers at SpeCache's and FreeKV's defaults (bits 2, group 64; pages of 32)."""
     from kvcomp.kernels import quant_ref, retrieval_ref, retrieval_triton
 
