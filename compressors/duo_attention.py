@@ -108,6 +108,15 @@ class DuoAttention(ScorerWrapper):
         state = super().after_attend(layer, state, ctx)
         if not isinstance(state, RaggedStore):
             return state  # nothing was evicted (ratio 0): no head streams
+        # A streaming head's segment is in position order (sinks, then the window), so the tokens that left the
+        # window are one span after the sinks: the first one out and how many.
         h = state.shape[1]
-        stream = self._streaming_heads(layer, state.keys.device)[state.segment_ids() % h]
-        return state.select(~stream | self._window(state.positions.long(), ctx.next_positions()[state.segment_ids() // h]))
+        streaming = self._streaming_heads(layer, "cpu").tolist()
+        next_positions = ctx.next_positions()
+        spans = {}
+        for s, (start, count) in enumerate(zip(state.segment_starts().tolist(), state.counts())):
+            if streaming[s % h] and count:
+                out = ~self._window(state.positions[start:start + count].long(), next_positions[s // h])
+                first, n_out = torch.stack([out.to(torch.int64).argmax(), out.sum()]).tolist()
+                spans[s] = (first, n_out)
+        return state.drop_spans(spans)

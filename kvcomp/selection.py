@@ -489,8 +489,12 @@ class TokenSelection(Compressor):
         # (observe), so they are copied. The snapshot shares the growable buffers: after a rollback only its own
         # lineage goes on (the store it was taken from is discarded), so their spare slots have one writer.
         # A decode-time method evicts in place (drop_lowest), over any slot: its snapshot is a copy.
+        # A ragged store's select moves tokens in place when the store owns its tensors: the snapshot shows them
+        # now, so the live store no longer does.
         if self.capabilities.decode_time:
             return state.clone() if isinstance(state, TokenStore) else clone_state(state)
+        if isinstance(state, RaggedStore):
+            state._owned = False
         scores = None if state.scores is None else state.scores.clone()
         return state.replace(scores=scores) if isinstance(state, TokenStore) else dataclasses.replace(state, scores=scores)
 

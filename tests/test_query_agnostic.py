@@ -223,9 +223,79 @@ def test_ragged_append_and_forget_keep_each_heads_tokens_in_order():
     new = TokenStore(torch.full((1, 2, 1, 2), 99.0), torch.full((1, 2, 1, 2), 99.0),
                      torch.tensor([[[7], [7]]], dtype=torch.int32))
     grown = ragged.cat(new)
-    assert grown.lengths.tolist() == [[3, 4]] and grown.positions.tolist() == [0, 2, 7, 1, 2, 3, 7]
-    assert grown.keys[2].tolist() == [99.0, 99.0] and grown.keys[3].tolist() == [6.0, 7.0]
-    assert grown.forget_before(torch.tensor([2])).positions.tolist() == [2, 7, 2, 3, 7]
+
+    def segments(store, t):
+        return [x.tolist() for x in store.segments(t)]
+
+    assert grown.lengths.tolist() == [[3, 4]] and segments(grown, grown.positions) == [[0, 2, 7], [1, 2, 3, 7]]
+    assert segments(grown, grown.keys) == [[[0.0, 1.0], [2.0, 3.0], [99.0, 99.0]],
+                                           [[6.0, 7.0], [8.0, 9.0], [10.0, 11.0], [99.0, 99.0]]]
+    # The copy left spare slots after each segment (counted by nbytes): the next append writes
+    # there, into the same tensors.
+    assert int(grown.valid.sum()) == 7 and grown.keys.shape[0] > 7
+    assert grown.nbytes() == sum(t.numel() * t.element_size() for t in grown.per_token() if t is not None) + 2 * 8 * 2
+    again = grown.cat(dataclasses.replace(new, positions=torch.tensor([[[8], [8]]], dtype=torch.int32)))
+    assert again.keys.data_ptr() == grown.keys.data_ptr()
+    assert segments(again, again.positions) == [[0, 2, 7, 8], [1, 2, 3, 7, 8]]
+    assert segments(again.forget_before(torch.tensor([2])), again.positions) == [[2, 7, 8], [2, 3, 7, 8]]
+
+
+def grown_store(n_tokens=(5, 9, 0, 3), steps=2):
+    """A ragged store of 2 rows x 2 KV heads (``n_tokens`` per segment) after ``steps`` one-token appends."""
+    gen = torch.Generator().manual_seed(3)
+    width = max(n_tokens)
+    lengths = torch.tensor(n_tokens).view(2, 2, 1)
+    positions = torch.where(torch.arange(width) < lengths, torch.arange(width), SENTINEL).to(torch.int32)
+    store = RaggedStore.from_dense(TokenStore(torch.randn(2, 2, width, 4, generator=gen),
+                                              torch.randn(2, 2, width, 4, generator=gen), positions))
+    for i in range(steps):
+        store = store.cat(TokenStore(torch.randn(2, 2, 1, 4, generator=gen), torch.randn(2, 2, 1, 4, generator=gen),
+                                     torch.full((2, 2, 1), 20 + i, dtype=torch.int32), all_real=True))
+    return store
+
+
+def test_ragged_select_moves_tokens_in_place_only_in_a_store_that_owns_its_tensors():
+    store = grown_store()
+    assert store._owned  # cat copied it into tensors of its own
+    copy = dataclasses.replace(store, **{f: getattr(store, f).clone() for f in ("keys", "values", "positions")})
+    keep = (store.positions % 3 != 1) | ~store.valid  # drop positions 1, 4, 7 of every segment
+    ptr = store.keys.data_ptr()
+    moved, copied = store.select(keep), copy.select(keep.clone())
+    assert moved.keys.data_ptr() == ptr and moved.starts is store.starts  # in place
+    assert copied.starts is None and copied.keys.shape[0] == int(copied.lengths.sum())  # packed copy
+    assert torch.equal(moved.lengths, copied.lengths) and moved.lengths.view(-1).tolist() == [5, 8, 2, 4]
+    for t in ("keys", "values", "positions"):
+        assert all(torch.equal(a, b) for a, b in zip(moved.segments(getattr(moved, t)), copied.segments(getattr(copied, t))))
+    # The next appends write after each moved segment, into the same tensors.
+    grown = moved.cat(TokenStore(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4), torch.full((2, 2, 1), 30, dtype=torch.int32)))
+    assert grown.keys.data_ptr() == ptr and [s[-1].item() for s in grown.segments(grown.positions)] == [30] * 4
+
+
+def test_ragged_drop_spans_slides_segments_in_place_like_a_select():
+    store = grown_store()
+    copy = dataclasses.replace(store, **{f: getattr(store, f).clone() for f in ("keys", "values", "positions")})
+    spans = {0: (2, 3), 1: (0, 1), 3: (4, 0)}  # segment 0 drops its slots 2-4, segment 1 its first; 3 nothing
+    moved, copied = store.drop_spans(spans), copy.drop_spans(spans)
+    assert moved.keys.data_ptr() == store.keys.data_ptr() and copied.starts is None
+    assert moved.lengths.view(-1).tolist() == copied.lengths.view(-1).tolist() == [4, 10, 2, 5]
+    assert [s.tolist() for s in moved.segments(moved.positions)] == [
+        [0, 1, 20, 21], [1, 2, 3, 4, 5, 6, 7, 8, 20, 21], [20, 21], [0, 1, 2, 20, 21]]
+    for t in ("keys", "values", "positions"):
+        assert all(torch.equal(a, b) for a, b in zip(moved.segments(getattr(moved, t)), copied.segments(getattr(copied, t))))
+
+
+def test_a_snapshot_of_a_ragged_store_is_untouched_by_the_live_stores_edits():
+    """checkpoint() shares the tensors of a method that does not evict while decoding (AdaKV): the live store's
+    appends go into spare slots, beyond the snapshot's lengths, and its selects (a sliding layer's) copy."""
+    live = grown_store()
+    snapshot = AdaKV(scorer="knorm").checkpoint(live)
+    before = [[t.clone() for t in snapshot.segments(getattr(snapshot, f))] for f in ("keys", "positions")]
+    live = live.cat(TokenStore(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4), torch.full((2, 2, 1), 30, dtype=torch.int32)))
+    live = live.forget_before(torch.tensor([3, 3]))
+    assert live.lengths.view(-1).tolist() == [5, 9, 3, 3]
+    assert snapshot.lengths.view(-1).tolist() == [7, 11, 2, 5] and int(snapshot.valid.sum()) == 25
+    for f, old in zip(("keys", "positions"), before):
+        assert all(torch.equal(a, b) for a, b in zip(snapshot.segments(getattr(snapshot, f)), old))
 
 
 # -- allocators ------------------------------------------------------------------------------------------------
@@ -274,9 +344,13 @@ def test_adakv_decodes_like_its_dense_equivalent_and_counts_real_bytes(tiny):
     got, _ = ragged_attention(q, state, q_pos, spec)
     assert torch.allclose(got, expected, atol=1e-5)
     before = cache.resident_bytes()["device"]
+    kept = [layer.state.lengths.clone() for layer in cache.layers]
     decode(model, cache, out.logits, 5)
     per_token = 2 * 16 * 4 + 4
-    assert cache.resident_bytes()["device"] == before + 5 * per_token * 2 * len(cache.layers)  # 2 KV heads
+    assert all(torch.equal(layer.state.lengths, k + 5) for layer, k in zip(cache.layers, kept))
+    # The first step copies each layer's store into one with 8 spare slots per KV head (the fewest) and a
+    # segment-start index (2 KV heads: 2 int64); the next 4 steps write into the spare slots.
+    assert cache.resident_bytes()["device"] == before + ((1 + 8) * per_token * 2 + 2 * 8) * len(cache.layers)
 
 
 def test_pyramid_budgets_fall_with_depth_and_sum_to_the_uniform_budget(tiny):
