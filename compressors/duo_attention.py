@@ -114,7 +114,8 @@ class DuoAttention(ScorerWrapper):
         streaming = self._streaming_heads(layer, "cpu").tolist()
         next_positions = ctx.next_positions()
         spans = {}
-        for s, (start, count) in enumerate(zip(state.segment_starts().tolist(), state.counts())):
+        layout = state.layout()
+        for s, (start, count) in enumerate(zip(layout.starts, layout.lengths)):
             if streaming[s % h] and count:
                 out = ~self._window(state.positions[start:start + count].long(), next_positions[s // h])
                 first, n_out = torch.stack([out.to(torch.int64).argmax(), out.sum()]).tolist()

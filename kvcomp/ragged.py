@@ -29,17 +29,26 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvcomp.ops import SENTINEL, AttentionSpec, dense_attention
 
 
-def _spare(lengths: torch.Tensor) -> int:
+def _spare(longest: int) -> int:
     """Spare slots each segment gets when a ragged store must copy: 1/64 of its longest segment, 8 to 64, so
     a long store is copied once every 8 to 64 decode steps instead of every step (under 2% more memory on
     long segments, counted by nbytes)."""
-    return min(64, max(8, int(lengths.max()) // 64)) if lengths.numel() else 0
+    return min(64, max(8, longest // 64))
+
+
+class Layout(NamedTuple):
+    """A ragged store's segments on the host, in segment order: where each begins, its slots, its tokens."""
+
+    starts: list[int]
+    capacities: list[int]
+    lengths: list[int]
 
 
 @dataclass
@@ -86,31 +95,42 @@ class RaggedStore:
         seg = self.segment_ids()
         return seg, torch.arange(seg.numel(), device=seg.device) - self.segment_starts()[seg]
 
+    def layout(self) -> Layout:
+        """The segments on the host: read back once per store and kept with it (for the ``lengths`` and
+        ``starts`` tensors it was read from, which are never written in place), so a decode step's append and
+        attention read nothing back."""
+        cached = getattr(self, "_layout", None)
+        if cached is not None and cached[0] is self.lengths and cached[1] is self.starts:
+            return cached[2]
+        lengths = self.lengths.reshape(-1).tolist()
+        if self.starts is None:
+            starts, caps = [0, *itertools.accumulate(lengths)][:-1], lengths
+        else:
+            starts = self.starts.reshape(-1).tolist()
+            caps = [b - a for a, b in zip(starts, [*starts[1:], self.keys.shape[0]])]
+        return self._keep_layout(Layout(starts, caps, lengths))
+
+    def _keep_layout(self, layout: Layout) -> Layout:
+        self._layout = (self.lengths, self.starts, layout)
+        return layout
+
     def counts(self) -> list[int]:
-        return self.lengths.reshape(-1).tolist()
+        return list(self.layout().lengths)
 
     def segment_starts(self) -> torch.Tensor:
         """``[B * H_kv]`` long: the slot where each segment begins."""
         lengths = self.lengths.reshape(-1)
         return torch.cumsum(lengths, 0) - lengths if self.starts is None else self.starts.reshape(-1)
 
-    def capacities(self) -> torch.Tensor:
-        """``[B * H_kv]`` long: the slots of each segment, kept tokens and spare ones."""
-        if self.starts is None:
-            return self.lengths.reshape(-1)
-        starts = self.starts.reshape(-1)
-        return torch.cat([starts[1:], starts.new_tensor([self.keys.shape[0]])]) - starts
-
     def segment_ids(self) -> torch.Tensor:
         """``[C]`` long: the segment ``b * H_kv + h`` of each slot."""
-        caps = self.capacities()
+        caps = torch.tensor(self.layout().capacities, device=self.keys.device)
         return torch.repeat_interleave(torch.arange(caps.numel(), device=self.keys.device), caps)
 
     def segments(self, x: torch.Tensor) -> list[torch.Tensor]:
         """A per-token tensor (``[C, ...]``) split into its segments' kept tokens (views), in segment order."""
-        if self.starts is None:
-            return list(torch.split(x, self.counts()))
-        return [x[s:s + n] for s, n in zip(self.starts.reshape(-1).tolist(), self.counts())]
+        layout = self.layout()
+        return [x[s:s + n] for s, n in zip(layout.starts, layout.lengths)]
 
     def per_token(self) -> list[torch.Tensor | None]:
         return [self.keys, self.values, self.positions, self.scores, self.aux]
@@ -152,7 +172,7 @@ class RaggedStore:
         return seg[index], slot[index], index
 
     def _width(self) -> int:
-        return int(self.lengths.max()) if self.lengths.numel() else 0
+        return max(self.layout().lengths, default=0)
 
     def padded(self):
         """A padded ``TokenStore`` ``[B, H, L_max]`` of the same tokens (SENTINEL in unused slots); built on
@@ -227,13 +247,14 @@ class RaggedStore:
         spans = {s: (a, d) for s, (a, d) in spans.items() if d}
         if not spans:
             return self
-        starts = self.segment_starts().tolist()
+        layout = self.layout()
+        starts = layout.starts
         if self.starts is None or not getattr(self, "_owned", False):
             keep = torch.ones(self.keys.shape[0], dtype=torch.bool, device=self.keys.device)
             for s, (a, d) in spans.items():
                 keep[starts[s] + a:starts[s] + a + d] = False
             return self.select(keep)
-        counts = self.counts()
+        counts = list(layout.lengths)
         for s, (a, d) in spans.items():
             first, end = starts[s] + a, starts[s] + counts[s]
             for t in self.per_token():
@@ -243,6 +264,7 @@ class RaggedStore:
         out = self.replace(lengths=torch.tensor(counts, dtype=self.lengths.dtype, device=self.lengths.device
                                                 ).view(self.shape))
         out._owned = True
+        out._keep_layout(Layout(starts, layout.capacities, counts))
         return out
 
     def cat(self, other) -> RaggedStore:
@@ -250,23 +272,28 @@ class RaggedStore:
         the spare slots when every segment has room, else into a copy with spare slots (:func:`_spare`)."""
         valid = other.valid
         n_seg, n = self.lengths.numel(), other.keys.shape[2]
-        lengths = self.lengths.reshape(-1)
+        device = self.keys.device
+        layout = self.layout()
         all_real = getattr(other, "all_real", False) or bool(valid.all())
-        grown = lengths + (n if all_real else valid.reshape(n_seg, n).sum(-1))
+        added = [n] * n_seg if all_real else valid.reshape(n_seg, n).sum(-1).tolist()
+        grown = [length + a for length, a in zip(layout.lengths, added)]
         new = [other.keys, other.values, other.positions.to(self.positions.dtype),
                None if self.scores is None else other.scores if other.scores is not None
                else self.scores.new_zeros(other.positions.shape),
                None if self.aux is None else getattr(other, "aux", None) if getattr(other, "aux", None) is not None
                else self.aux.new_full(other.positions.shape, float("nan"))]
-        if self.starts is not None and bool((grown <= self.capacities()).all()):
-            starts, buffers, owned = self.starts.reshape(-1), self.per_token(), getattr(self, "_owned", False)
+        if self.starts is not None and all(g <= c for g, c in zip(grown, layout.capacities)):
+            starts, caps, starts_t = layout.starts, layout.capacities, self.starts
+            buffers, owned = self.per_token(), getattr(self, "_owned", False)
         else:
-            caps = grown + _spare(grown)
-            starts = torch.cumsum(caps, 0) - caps
-            buffers, owned = self._copied(starts, int(caps.sum())), True
-        base = (starts + lengths).view(n_seg, 1)
+            spare = _spare(max(grown, default=0))
+            caps = [g + spare for g in grown]
+            starts = [0, *itertools.accumulate(caps)][:-1]
+            starts_t = torch.tensor(starts, dtype=torch.int64, device=device).view(self.shape)
+            buffers, owned = self._copied(starts_t.reshape(-1), sum(caps)), True
+        base = torch.tensor([a + length for a, length in zip(starts, layout.lengths)], device=device).view(n_seg, 1)
         if all_real:
-            dst = (base + torch.arange(n, device=base.device)).reshape(-1)
+            dst = (base + torch.arange(n, device=device)).reshape(-1)
             pick = None
         else:
             pick = valid.reshape(n_seg, n)
@@ -275,9 +302,10 @@ class RaggedStore:
             if buf is not None:
                 t = t.reshape(n_seg * n, *t.shape[3:]) if pick is None else t.reshape(n_seg, n, *t.shape[3:])[pick]
                 buf[dst] = t
-        out = RaggedStore(*buffers[:3], grown.view(self.shape), buffers[3], buffers[4], self.extra,
-                          starts.view(self.shape))
+        lengths = torch.tensor(grown, dtype=self.lengths.dtype, device=device).view(self.shape)
+        out = RaggedStore(*buffers[:3], lengths, buffers[3], buffers[4], self.extra, starts_t)
         out._owned = owned
+        out._keep_layout(Layout(starts, caps, grown))
         return out
 
     def _copied(self, starts: torch.Tensor, size: int) -> list[torch.Tensor | None]:
@@ -323,13 +351,14 @@ def ragged_attention(q: torch.Tensor, store: RaggedStore, q_pos: torch.Tensor, s
     hkv = store.shape[1]
     g = hq // hkv
     specs = segment_specs(spec, hkv)
-    counts = store.counts()
+    layout = store.layout()
+    counts = layout.lengths
     width = max(counts) if counts else 0
     out = torch.empty_like(q)
     weights = q.new_zeros(b, hkv, g, n, width, dtype=torch.float32) if need_weights else None
     # A decode query of a full-attention layer sees every kept token (all precede it; a segment holds no padding).
     all_visible = spec.window is None and n == 1
-    starts = store.starts.reshape(-1).tolist() if store.starts is not None else [0, *itertools.accumulate(counts)]
+    starts = layout.starts
     for s, count in enumerate(counts):
         row, head = divmod(s, hkv)
         start = starts[s]

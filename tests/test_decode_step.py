@@ -29,8 +29,9 @@ OURS = (str(ROOT / "kvcomp"), str(ROOT / "compressors"))
 READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "nonzero"}
 
 # Methods whose decode step is free of per-layer reads (decode-time eviction and retrieval still decide on the
-# host: their budgets and fetch lists are read back each step).
-SYNC_FREE = ["snapkv", "knorm", "keydiff", "expected_attention", "pyramidkv", "criticalkv", "quant"]
+# host: their budgets and fetch lists are read back each step; DuoAttention's streaming heads read how many
+# tokens left their window). AdaKV and KVzip store ragged: a ragged store keeps its segments' layout on the host.
+SYNC_FREE = ["snapkv", "knorm", "keydiff", "expected_attention", "pyramidkv", "criticalkv", "quant", "adakv", "kvzip"]
 
 
 class HostReads(TorchFunctionMode):
