@@ -125,7 +125,8 @@ class RaggedStore:
     def segment_ids(self) -> torch.Tensor:
         """``[C]`` long: the segment ``b * H_kv + h`` of each slot."""
         caps = torch.tensor(self.layout().capacities, device=self.keys.device)
-        return torch.repeat_interleave(torch.arange(caps.numel(), device=self.keys.device), caps)
+        return torch.repeat_interleave(torch.arange(caps.numel(), device=self.keys.device), caps,
+                                       output_size=self.keys.shape[0])
 
     def segments(self, x: torch.Tensor) -> list[torch.Tensor]:
         """A per-token tensor (``[C, ...]``) split into its segments' kept tokens (views), in segment order."""
