@@ -209,15 +209,15 @@ class RaggedStore:
     def select(self, keep: torch.Tensor) -> RaggedStore:
         """Keep the tokens where ``keep`` (``[C]`` bool; spare slots ignored) holds: in place (the kept tokens
         move up within their segments) when this store owns its tensors, else a packed copy."""
+        seg, slot = self._slots()
         if self.starts is not None:
-            keep = keep & self.valid
+            keep = keep & (slot < self.lengths.reshape(-1)[seg])  # a spare slot is never kept
         if bool(keep.sum() == self.lengths.sum()):
             return self
-        seg = self.segment_ids()
         lengths = torch.zeros(self.lengths.numel(), dtype=torch.int64, device=keep.device)
         lengths.index_add_(0, seg, keep.to(torch.int64))
         if self.starts is not None and getattr(self, "_owned", False):
-            return self._select_in_place(keep, seg, lengths)
+            return self._select_in_place(keep, seg, slot, lengths)
         index = keep.nonzero().squeeze(1)  # found once for every per-token tensor
 
         def take(t):
@@ -226,14 +226,15 @@ class RaggedStore:
         return RaggedStore(take(self.keys), take(self.values), take(self.positions), lengths.view(self.shape),
                            take(self.scores), take(self.aux), self.extra)
 
-    def _select_in_place(self, keep: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor) -> RaggedStore:
+    def _select_in_place(self, keep: torch.Tensor, seg: torch.Tensor, slot: torch.Tensor, lengths: torch.Tensor
+                         ) -> RaggedStore:
+        """:meth:`select`'s in-place case; ``seg``, ``slot``: :meth:`_slots`."""
         starts = self.segment_starts()
-        slot = torch.arange(seg.numel(), device=seg.device)
         kept = keep.to(torch.int64)
         before = torch.cumsum(kept, 0) - kept  # kept tokens before each slot
-        target = starts[seg] + before - before[starts][seg]  # a kept token's slot once its segment is compacted
-        src = (keep & (target != slot)).nonzero().squeeze(1)
-        dst = target[src]
+        rank = before - before[starts][seg]  # a kept token's slot within its segment once that is compacted
+        src = (keep & (rank != slot)).nonzero().squeeze(1)
+        dst = (starts[seg] + rank)[src]
         for t in self.per_token():
             if t is not None:
                 t[dst] = t[src]  # the right side is gathered first (a copy), so overlapping moves are safe
