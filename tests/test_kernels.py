@@ -51,13 +51,14 @@ def test_pack_unpack_match_reference(bits):
 
 
 # -- quantized decode attention ------------------------------------------------------------------------------
-def quant_case(bits, gqa, dtype, d=24, group=8, n_groups=5, residual=6, n=2, seed=0):
+def quant_case(bits, gqa, dtype, d=24, group=8, n_groups=5, residual=6, n=2, seed=0, channels=None):
     """A ragged batch of 2: row 1's last group unused, row 0's last two residual slots empty; row 1's first
-    query precedes every key (it sees every slot, as the reference specifies)."""
+    query precedes every key (it sees every slot, as the reference specifies). ``channels``: value channels per
+    scale (default 8, or the whole head when 8 does not divide it)."""
     b, h = 2, 2
     k = randn(b, h, n_groups, group, d, seed=seed, dtype=dtype) * 2
     v = randn(b, h, n_groups, group, d, seed=seed + 1, dtype=dtype)
-    channels = 8 if d % 8 == 0 else d
+    channels = channels or (8 if d % 8 == 0 else d)
     kc, ks, kz = quant_ref.quantize_keys(k, bits)
     vc, vs, vz = quant_ref.quantize_values(v, bits, channels)
     length = n_groups * group
@@ -273,14 +274,18 @@ def test_dispatcher_sends_float32_cpu_quant_attention_to_the_native_kernel(monke
     assert calls == [1]
 
 
-@pytest.mark.parametrize("bits,gqa,d,residual,n", [
-    (4, 3, 24, 6, 2), (2, 4, 16, 0, 2), (8, 1, 24, 5, 2), (4, 3, 64, 6, 1), (2, 7, 16, 3, 1),
+@pytest.mark.parametrize("bits,gqa,d,residual,n,channels", [
+    (4, 3, 24, 6, 2, None), (2, 4, 16, 0, 2, None), (8, 1, 24, 5, 2, None), (4, 3, 64, 6, 1, None),
+    (2, 7, 16, 3, 1, None),
+    # value scales over 32 channels, as the compressor's default group_size gives: the kernel's vector path
+    # (16 columns per vector, each inside one scale's channels) for D = 64, 128 and 256
+    (4, 3, 64, 6, 1, 32), (8, 4, 128, 5, 2, 32), (4, 4, 256, 6, 1, 32), (4, 1, 64, 0, 2, 64),
 ])
-def test_native_cpu_quant_attention_matches_reference(bits, gqa, d, residual, n):
+def test_native_cpu_quant_attention_matches_reference(bits, gqa, d, residual, n, channels):
     """Query rows (G x n) of 6, 8, 2, 3 and 7 exercise the kernel's row blocking; D = 64 its unrolled path."""
     if DEVICE != "cpu" or cpu_native.load() is None:
         pytest.skip("no C compiler")
-    args = quant_case(bits, gqa, torch.float32, d=d, residual=residual, n=n, seed=11)
+    args = quant_case(bits, gqa, torch.float32, d=d, residual=residual, n=n, seed=11, channels=channels)
     torch.testing.assert_close(cpu_native.quant_attention(*args), quant_ref.quant_attention(*args),
                                rtol=0, atol=1e-5)
 

@@ -41,6 +41,57 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef float v16f_u __attribute__((vector_size(64), aligned(4)));  /* for pointers into float buffers */
+
+static inline v16f load16(const float* p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsum16(v16f v) {
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+               + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* e^x of 16 lanes (x <= 0 here; Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r, relative error about
+   1e-7): 0 where x < -87 (so -inf gives 0), the rule a softmax needs; not for x > 88. */
+static inline v16f exp16(v16f x) {
+    const v16i tiny = x < -87.0f;
+    x = x - (v16f)((v16i)x & tiny);  /* the masked lanes become 0 (their result is masked below) */
+    v16f fx = x * 1.44269504088896341f + 0.5f;
+    v16i n = __builtin_convertvector(fx, v16i);       /* truncation; floor for the negative ones: */
+    n -= (v16i)(__builtin_convertvector(n, v16f) > fx) & 1;
+    const v16f nf = __builtin_convertvector(n, v16f);
+    x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    const v16f z = x * x;
+    v16f y = 1.9875691500e-4f * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    const v16f scale = (v16f)((n + 127) << 23);
+    return (v16f)((v16i)(y * scale) & ~tiny);
+}
+
+/* One token's W packed bytes (W % 16 == 0) as D = W * P floats in plane-major order, 16 at a time: chunk
+   p * W / 16 + j holds channels (16 j + i) * P + p, i < 16. */
+static inline void unpack16(const uint8_t* restrict src, int64_t W, int bits, v16f_u* restrict codes) {
+    const int per_byte = 8 / bits, mask = (1 << bits) - 1;
+    const int64_t chunks = W / 16;
+    for (int64_t j = 0; j < chunks; j++) {
+        v16b raw;
+        memcpy(&raw, src + 16 * j, 16);
+        const v16i x = __builtin_convertvector(raw, v16i);
+        for (int p = 0; p < per_byte; p++) codes[p * chunks + j] = __builtin_convertvector((x >> (p * bits)) & mask, v16f);
+    }
+}
+
 /* One token's codes as floats in plane-major order: column p * W + j holds channel j * P + p (code p of byte
    j), so every loop is contiguous and vectorises. */
 static inline void unpack_planes(const uint8_t* restrict src, int64_t w, int bits, float* restrict dst) {
@@ -136,7 +187,15 @@ static void residual_softmax(float* restrict row, int64_t T, int64_t R, const fl
     const float s = sink ? *sink : -INFINITY;
     float top = s, sum = 0.0f;
     for (int64_t t = 0; t < T; t++) top = row[t] > top ? row[t] : top;
-    for (int64_t t = 0; t < T; t++) { row[t] = expf(row[t] - top); sum += row[t]; }
+    int64_t t = 0;
+    v16f acc = {0};
+    for (; t + 16 <= T; t += 16) {
+        const v16f e = exp16(load16(row + t) - top);
+        store16(row + t, e);
+        acc += e;
+    }
+    sum = hsum16(acc);
+    for (; t < T; t++) { row[t] = expf(row[t] - top); sum += row[t]; }
     if (sink) sum += expf(s - top);
     const float inv = 1.0f / sum;
     for (int64_t t = 0; t < T; t++) row[t] *= inv;
@@ -217,6 +276,12 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                          const float* key_logits) {
     const int64_t BH = B * H, T = L + R, P = 8 / bits, run = D / J / P;  /* run: columns of a channel group per plane */
     const int64_t NG = L / G, per_chunk = (NG + chunks - 1) / chunks;
+    /* The values' vector path: 16 columns per vector, each inside one value channel group (group_of[k]). */
+    const int vector = W % 16 == 0 && run % 16 == 0 && D % 64 == 0 && D <= 256;
+    const int64_t K = D / 16;
+    int64_t group_of[16] = {0};
+    if (vector)
+        for (int64_t k = 0; k < K; k++) group_of[k] = (k % (W / 16)) / (run / 16);
     int64_t first[BH > 0 ? BH : 1], channel[D > 0 ? D : 1];  /* channel[c]: original channel of column c */
     plane_channels(channel, D, W, bits);
     #pragma omp parallel num_threads(threads)
@@ -245,10 +310,11 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                                      kc + (bh * L + grp * G) * W, M, D, W, G, bits, channel, scaled_q,
                                      scaled_q + M * D, lg + grp * G, T, scaling);
                     }
-                    for (int64_t t = grp * G; t < (grp + 1) * G; t++) {
-                        const int32_t kp = pos[bh * L + t];
-                        for (int64_t m = 0; m < M; m++)
-                            if (!VISIBLE(kp, row_pos[m], row_lo[m])) lg[m * T + t] = -INFINITY;
+                    const int32_t* gp = pos + bh * L + grp * G;
+                    for (int64_t m = 0; m < M; m++) {  /* a select per row over the group's slots (vectorised) */
+                        float* row = lg + m * T + grp * G;
+                        const int64_t hi = row_pos[m], lo = row_lo[m];
+                        for (int64_t i = 0; i < G; i++) row[i] = VISIBLE(gp[i], hi, lo) ? row[i] : -INFINITY;
                     }
                 }
             }
@@ -267,7 +333,37 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                 memset(acc, 0, sizeof(float) * M * D);
                 memset(zero_acc, 0, sizeof(float) * M * J);
                 const int64_t t_end = (chunk + 1) * per_chunk * G < L ? (chunk + 1) * per_chunk * G : L;
-                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end; t0 += G) {
+                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end && vector; t0 += G) {
+                    /* 16 columns per vector (each within one channel group): a group's codes are unpacked once,
+                       and each row multiplies its probability by the token's group scale instead of the codes. */
+                    for (int64_t t = t0; t < t0 + G; t++)
+                        unpack16(vc + (bh * L + t) * W, W, bits, (v16f_u*)(block + (t - t0) * D));
+                    for (int64_t m = 0; m < M; m++) {
+                        const float* p = lg + m * T + t0;
+                        const float* z = vz + (bh * L + t0) * J;
+                        float zsum[16] = {0};  /* J <= D / 16 here */
+                        for (int64_t i = 0; i < G; i++)
+                            for (int64_t j = 0; j < J; j++) zsum[j] += p[i] * z[i * J + j];
+                        for (int64_t j = 0; j < J; j++) zero_acc[m * J + j] += zsum[j];
+                        for (int64_t k = 0; k < K; k += 4) {  /* four accumulators in registers (K % 4 == 0) */
+                            const int64_t j0 = group_of[k], j1 = group_of[k + 1], j2 = group_of[k + 2],
+                                          j3 = group_of[k + 3];
+                            v16f a0 = load16(acc + m * D + 16 * k), a1 = load16(acc + m * D + 16 * k + 16),
+                                 a2 = load16(acc + m * D + 16 * k + 32), a3 = load16(acc + m * D + 16 * k + 48);
+                            for (int64_t i = 0; i < G; i++) {
+                                const float* sc = vs + (bh * L + t0 + i) * J;
+                                const float* x = block + i * D + 16 * k;
+                                a0 += (p[i] * sc[j0]) * load16(x);
+                                a1 += (p[i] * sc[j1]) * load16(x + 16);
+                                a2 += (p[i] * sc[j2]) * load16(x + 32);
+                                a3 += (p[i] * sc[j3]) * load16(x + 48);
+                            }
+                            store16(acc + m * D + 16 * k, a0); store16(acc + m * D + 16 * k + 16, a1);
+                            store16(acc + m * D + 16 * k + 32, a2); store16(acc + m * D + 16 * k + 48, a3);
+                        }
+                    }
+                }
+                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end && !vector; t0 += G) {
                     for (int64_t t = t0; t < t0 + G; t++) {
                         unpack_planes(vc + (bh * L + t) * W, W, bits, codes);
                         const float* s = vs + (bh * L + t) * J;
