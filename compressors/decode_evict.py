@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcomp import validation
+from kvcomp import host, validation
 from kvcomp.allocation import ScorerWrapper
 from kvcomp.compressor import Capabilities
 
@@ -54,14 +54,14 @@ class DecodeEvict(ScorerWrapper):
 
     def decode_budget(self, ctx) -> torch.Tensor:
         held = self.held_tokens(ctx)
-        return held.clamp(max=self.target_size) if self.target_size is not None else self.layer_budget(held, ctx)
+        return host.clamp(held, high=self.target_size) if self.target_size is not None else self.layer_budget(held, ctx)
 
     def decode_scores(self, view, ctx) -> torch.Tensor:
         return self.decode_score(view, ctx) if self.has_decode_score() else prefill_rank_score(view)
 
     def evict(self, store, ctx):
         budget = self.decode_budget(ctx)
-        if not self.over_budget(store.stored_tokens(), budget + self.interval - 1):
+        if not self.over_budget(store.stored_tokens(), host.offset(budget, self.interval - 1)):
             return store
         view = store.padded()
         return self.select(view, self.decode_scores(view, ctx), budget, ctx)

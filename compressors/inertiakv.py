@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from compressors.decode_evict import DecodeEvict
-from kvcomp import validation
+from kvcomp import host, validation
 from kvcomp.compressor import CompressorError
 from kvcomp.ragged import RaggedStore
 
@@ -54,8 +54,8 @@ class InertiaKV(DecodeEvict):
 
     def evict(self, store, ctx):
         extra = dict(store.extra or {})
-        step = int(extra.get("inertia_step", torch.zeros(1, dtype=torch.long)))
-        extra["inertia_step"] = torch.tensor([step + 1])
+        step = host.values(extra["inertia_step"])[0] if "inertia_step" in extra else 0
+        extra["inertia_step"] = host.tensor([step + 1], "cpu")  # known on the host: read only after a clone
         budget = self.decode_budget(ctx)
         view = store.padded()
         view = view.replace(extra=extra)  # a new store object: the state given (and any snapshot of it) is untouched
@@ -67,7 +67,8 @@ class InertiaKV(DecodeEvict):
         if self.mode == "score_free":
             if "inertia_frozen" not in extra:  # the one scoring: the best target - window tokens are frozen
                 extra["inertia_frozen"] = torch.ones(1, dtype=torch.bool)
-                frozen = self.select(view, self.decode_score(view, ctx), (budget - self.window).clamp(min=0), ctx)
+                frozen = self.select(view, self.decode_score(view, ctx), host.clamp(host.offset(budget, -self.window), 0),
+                                     ctx)
                 view.aux = torch.where(kept_slots(view, frozen), float("inf"), float("nan"))
             order = torch.where(view.aux == float("inf"), float("inf"), view.positions.float())
         elif self.mode == "refresh" or step % self.refresh == 0:
@@ -75,7 +76,7 @@ class InertiaKV(DecodeEvict):
             order = view.aux
         else:
             order = torch.where(torch.isnan(view.aux), float("inf"), view.aux)  # not scored yet: kept until then
-        if self.over_budget(view.stored_tokens(), budget + self.interval - 1):
+        if self.over_budget(view.stored_tokens(), host.offset(budget, self.interval - 1)):
             return self.select(view, order, budget, ctx)
         return RaggedStore.from_dense(view) if isinstance(store, RaggedStore) else view
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from kvcomp import validation
+from kvcomp import host, validation
 from kvcomp.allocation import ScorerWrapper
 
 
@@ -54,6 +52,6 @@ class PyramidKV(ScorerWrapper):
         kept = self.kept_tokens(seen)
         if self._n_layers is None:
             return kept
-        out = [pyramid_budget(int(n), int(k), ctx.layer, self._n_layers, self.window, self.beta)
-               for n, k in zip(seen.tolist(), kept.tolist())]
-        return torch.tensor(out, device=seen.device).clamp(min=1).minimum(seen)
+        out = [min(n, max(1, pyramid_budget(n, k, ctx.layer, self._n_layers, self.window, self.beta)))
+               for n, k in zip(host.values(seen), host.values(kept))]
+        return host.tensor(out, seen.device)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvcomp import metrics
+from kvcomp import host, metrics
 from kvcomp.attention import install, layer_specs, set_active, take_input_ids
 from kvcomp.compressor import SENTINEL, Compressor, CompressorError, LayerContext
 from kvcomp.ops import AttentionSpec, dense_attention
@@ -70,7 +70,7 @@ class CompressedLayer(CacheLayerMixin):
         self.device = key_states.device
         self.dtype = key_states.dtype
         self.kv_shape = (key_states.shape[1], key_states.shape[-1])  # KV heads and head dim, as the model has them
-        self.seen = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.seen = host.known(torch.zeros(batch, dtype=torch.long, device=self.device), [0] * batch)
         self.next_position = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
@@ -172,7 +172,14 @@ class CompressedLayer(CacheLayerMixin):
                 all_real: bool = False) -> LayerContext:
         """Count the block's tokens and describe them to the compressor."""
         b, hkv, n, _ = k.shape
+        before = host.known_values(self.seen)
         self.seen = self.seen + valid.sum(1)
+        # Kept on the host as well, so that a decode step's budgets read nothing back (kvcomp.host): counted when
+        # the block has no padding, read once per prompt block otherwise.
+        if all_real and before is not None:
+            host.known(self.seen, (s + n for s in before))
+        elif n > 1:
+            host.known(self.seen, self.seen.tolist())
         positions = torch.where(valid, position_ids, SENTINEL)
         self.next_position = torch.maximum(self.next_position, (positions.masked_fill(~valid, -1).amax(1) + 1))
         return LayerContext(

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcomp import validation
+from kvcomp import host, validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext, clone_state
 from kvcomp.ops import dense_attention, horizon, take_slots
 from kvcomp.ragged import RaggedStore, ragged_attention
@@ -104,7 +104,9 @@ class TokenStore:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def stored_tokens(self) -> torch.Tensor:
-        return self.valid.sum(-1)
+        """``[B, H_kv]`` real tokens per row and KV head (known on the host when no slot is empty)."""
+        stored = self.valid.sum(-1)
+        return host.known(stored, [self.positions.shape[-1]] * stored.numel()) if self.all_real else stored
 
     def gather(self, index: torch.Tensor, keep: torch.Tensor | None = None) -> TokenStore:
         """Keep slots ``index`` (``[B, H_kv, L']``); ``keep`` (same shape, bool) marks which are real, ``None``
@@ -217,8 +219,9 @@ def select_top(store: TokenStore, scores: torch.Tensor, budget: torch.Tensor) ->
     ``L' = max(budget)`` slots and fills a row's unused ones with SENTINEL positions.
     """
     n_slots = scores.shape[-1]
-    width = int(budget.max().clamp(max=n_slots))
-    if store.all_real and width == n_slots - 1 and int(budget.min()) == width:
+    budgets = host.values(budget)
+    width = min(max(budgets), n_slots)
+    if store.all_real and width == n_slots - 1 and min(budgets) == width:
         return drop_lowest(store, scores)
     scores = scores.float().masked_fill(~store.valid, float("-inf"))
     top = scores.topk(width, dim=-1).indices  # [B, H, width]
@@ -363,10 +366,10 @@ class TokenSelection(Compressor):
     def kept_tokens(self, seen: torch.Tensor) -> torch.Tensor:
         """``[B]`` tokens to keep per KV head after ``seen[b]`` real tokens."""
         if self.budget is not None:
-            return seen.clamp(max=self.budget)
+            return host.clamp(seen, high=self.budget)
         keep_fraction = 1.0 - float(self.compression_ratio)
-        kept = [max(1, math.floor(int(n) * keep_fraction + 1e-6)) for n in seen.tolist()]
-        return torch.tensor(kept, device=seen.device).clamp(max=seen)
+        return host.tensor((min(n, max(1, math.floor(n * keep_fraction + 1e-6))) for n in host.values(seen)),
+                           seen.device)
 
     def layer_budget(self, seen: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """``[B]`` tokens per KV head this layer keeps (on average over its heads) after ``seen[b]`` tokens."""
@@ -404,8 +407,13 @@ class TokenSelection(Compressor):
         return select_top(store, scores, budget)
 
     def over_budget(self, stored: torch.Tensor, budget: torch.Tensor) -> bool:
-        """Whether ``stored`` (``[B, H_kv]``) exceeds what :meth:`select` keeps for ``budget``."""
-        return bool((stored > budget.view(-1, 1)).any())
+        """Whether ``stored`` (``[B, H_kv]``) exceeds what :meth:`select` keeps for ``budget`` (decided on the
+        host when both are known there: :mod:`kvcomp.host`)."""
+        counts, budgets = host.known_values(stored), host.known_values(budget)
+        if counts is None or budgets is None:
+            return bool((stored > budget.view(-1, 1)).any())
+        heads = len(counts) // len(budgets)
+        return any(n > budgets[i // heads] for i, n in enumerate(counts))
 
     def held_tokens(self, ctx: LayerContext) -> torch.Tensor:
         """``[B]`` tokens an uncompressed cache holds for this layer while this block attends: all seen, or on a
@@ -414,7 +422,11 @@ class TokenSelection(Compressor):
         window = ctx.spec.window
         if window is None:
             return ctx.seen
-        return torch.minimum(ctx.seen, window - 1 + ctx.query_valid.sum(1))
+        held = torch.minimum(ctx.seen, window - 1 + ctx.query_valid.sum(1))
+        seen = host.known_values(ctx.seen)
+        if seen is None or not ctx.all_real:
+            return held
+        return host.known(held, (min(n, window - 1 + ctx.query_valid.shape[1]) for n in seen))
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def prefill(self, layer, q, k, v, ctx):

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import DynamicCache
 
-from kvcomp import steps
+from kvcomp import host, steps
 from kvcomp.attention import install
 from kvcomp.cache import CompressedCache
 from kvcomp.compressor import Capabilities, Compressor, SharedWork
@@ -111,7 +111,7 @@ def _build_cache(model, pre: Prefilled, compressor: Compressor | None):
         ctx = dataclasses.replace(ctx, shared=pre.shared.setdefault(layer.layer_idx, SharedWork()))
         layer.lazy_initialization(k, v)
         layer.seen_total = source.seen_total
-        layer.seen = source.seen.clone()
+        layer.seen = host.known(source.seen.clone(), host.values(source.seen))
         layer.next_position = source.next_position.clone()
         layer.build(q, k, v, ctx)
     return cache

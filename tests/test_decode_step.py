@@ -28,10 +28,15 @@ ROOT = Path(kvcomp.__file__).resolve().parent.parent
 OURS = (str(ROOT / "kvcomp"), str(ROOT / "compressors"))
 READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "nonzero"}
 
-# Methods whose decode step is free of per-layer reads (decode-time eviction and retrieval still decide on the
-# host: their budgets and fetch lists are read back each step; DuoAttention's streaming heads read how many
-# tokens left their window). AdaKV and KVzip store ragged: a ragged store keeps its segments' layout on the host.
-SYNC_FREE = ["snapkv", "knorm", "keydiff", "expected_attention", "pyramidkv", "criticalkv", "quant", "adakv", "kvzip"]
+# Methods whose decode step is free of per-layer reads. Decode-time eviction decides its budgets on the host from
+# what the host knows (kvcomp.host: the tokens each row has seen, the slots of a store without empty ones), on
+# steps that evict and steps that do not; over a head-wise allocator (decode_evict with scorer=adakv) each
+# eviction still reads the new per-head layout back. Retrieval still reads its fetch lists, and DuoAttention's
+# streaming heads how many tokens left their window. AdaKV and KVzip store ragged: a ragged store keeps its
+# segments' layout on the host.
+SYNC_FREE = ["snapkv", "knorm", "keydiff", "expected_attention", "pyramidkv", "criticalkv", "quant", "adakv", "kvzip",
+             "streaming_llm", "tova", "h2o", "decode_evict", "inertiakv"]
+EVICTING = ["streaming_llm", "tova", "h2o", "decode_evict", "inertiakv"]
 
 
 class HostReads(TorchFunctionMode):
@@ -81,10 +86,40 @@ def test_a_decode_step_reads_nothing_back_per_layer(name):
     assert sum(two.values()) <= 1, f"host reads in one decode step: {dict(two)}"
 
 
+@pytest.mark.parametrize("name", EVICTING)
+def test_decode_time_eviction_reads_nothing_back_on_the_step_after_too(name):
+    """At ratio 0.5 the budget grows every other step: the step after the one counted above is the other kind
+    (evicting or not), and it reads nothing back either."""
+    two, four = (reads_in_a_decode_step(tiny_llama(n), methods.lossy(name), warm=4) for n in (2, 4))
+    assert sum(four.values()) == sum(two.values()) <= 1, f"host reads in one decode step: {dict(four)}"
+
+
 def test_the_counter_sees_a_host_read_in_a_layer():
-    """The double is not blind: StreamingLLM's decode-time eviction reads its budget back in every layer."""
-    two, four = (reads_in_a_decode_step(tiny_llama(n), methods.lossy("streaming_llm")) for n in (2, 4))
+    """The double is not blind: DuoAttention's streaming heads read back where their window's leavers are."""
+    two, four = (reads_in_a_decode_step(tiny_llama(n), methods.lossy("duo_attention")) for n in (2, 4))
     assert sum(four.values()) > sum(two.values()) > 1
+
+
+@torch.inference_mode()
+def test_the_host_counts_equal_the_tensors_they_stand_for_in_a_padded_batch():
+    """What a decode step decides on the host (kvcomp.host) is what the device tensors hold: the seen counts of
+    every layer after a left-padded prefill and through decode steps, and the budgets derived from them."""
+    from kvcomp import host
+
+    model = tiny_llama(2)
+    compressor = methods.lossy("streaming_llm")
+    cache = CompressedCache(model, compressor)
+    ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :13] = 0  # row 1: 27 real tokens
+    rows = steps.Rows(2, "cpu")
+    token = steps.prefill(model, cache, ids, rows, block_mask=mask).argmax(-1)
+    for step in range(6):
+        for layer in cache.layers:
+            assert host.known_values(layer.seen) == tuple(layer.seen.tolist()) == (40 + step, 27 + step)
+            budget = compressor.kept_tokens(layer.seen)
+            assert host.known_values(budget) == tuple(budget.tolist()) == (20 + step // 2, 13 + (step + 1) // 2)
+        token = steps.decode_one(model, cache, token, rows).argmax(-1)
 
 
 # -- growable stores -----------------------------------------------------------------------------------------
