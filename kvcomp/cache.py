@@ -175,10 +175,11 @@ class CompressedLayer(CacheLayerMixin):
         before = host.known_values(self.seen)
         self.seen = self.seen + valid.sum(1)
         # Kept on the host as well, so that a decode step's budgets read nothing back (kvcomp.host): counted when
-        # the block has no padding, read once per prompt block otherwise.
+        # the block has no padding, read once otherwise (a padded block; the first block after a context was
+        # loaded or replayed).
         if all_real and before is not None:
             host.known(self.seen, (s + n for s in before))
-        elif n > 1:
+        else:
             host.known(self.seen, self.seen.tolist())
         positions = torch.where(valid, position_ids, SENTINEL)
         self.next_position = torch.maximum(self.next_position, (positions.masked_fill(~valid, -1).amax(1) + 1))
