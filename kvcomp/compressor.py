@@ -112,7 +112,8 @@ class LayerContext:
     positions: ``[B, H_kv, n]`` int64 positions of the ``k``/``v`` passed in (SENTINEL for padding).
     query_positions: ``[B, n_q]`` positions of the queries of this forward.
     query_valid: ``[B, n_q]`` bool, which queries are real tokens (not padding).
-    seen: ``[B]`` real (non-padding) tokens seen so far in each row, including this block.
+    seen: ``[B]`` real (non-padding) tokens seen so far in each row, including this block (its values are known
+    on the host: :func:`kvcomp.host.values` reads nothing back).
     spec: how the layer attends (scaling, sliding window, soft-cap, sinks).
     question_length: ``[B]`` tokens at the end of each prompt that hold the question, when the caller knows it.
     next_position: ``[B]`` position of each row's next token after this block (None: derived from the queries).
