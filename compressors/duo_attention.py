@@ -47,6 +47,7 @@ class DuoAttention(ScorerWrapper):
         validation.choice("heads", self.heads, ("calibrated", "alternating"), owner=self)
         validation.path_or_none("artifact", self.artifact, owner=self)
         self._streaming: torch.Tensor | None = None  # [L, H_kv] bool
+        self._streaming_rows: list[list[bool]] | None = None  # the same on the host
         self._pattern: head_calibration.HeadPattern | None = None
 
     def wrapped_capabilities(self, inner):
@@ -57,6 +58,7 @@ class DuoAttention(ScorerWrapper):
 
     def bind(self, model) -> None:
         super().bind(model)
+        self._streaming_rows = None
         config = model.config.get_text_config(decoder=True)
         n_layers = config.num_hidden_layers
         n_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -71,10 +73,16 @@ class DuoAttention(ScorerWrapper):
         self._pattern.check_model(model)
         self._streaming = self._pattern.streaming(self.streaming_fraction)
 
-    def _streaming_heads(self, layer: int, device) -> torch.Tensor:
+    def _streaming_heads(self, layer: int | slice, device) -> torch.Tensor:
         if self._streaming is None:
             raise CompressorError("DuoAttention reads its head pattern in bind(); use it through CompressedCache.")
         return self._streaming[layer].to(device)
+
+    def _streaming_list(self, layer: int) -> list[bool]:
+        """The layer's streaming heads on the host (read once per pattern)."""
+        if self._streaming_rows is None:
+            self._streaming_rows = self._streaming_heads(slice(None), "cpu").tolist()
+        return self._streaming_rows[layer]
 
     def _window(self, positions, next_pos):
         return (positions >= (next_pos - self.recent).view(-1, *[1] * (positions.dim() - 1))) | (positions < self.n_sink)
@@ -109,15 +117,18 @@ class DuoAttention(ScorerWrapper):
         if not isinstance(state, RaggedStore):
             return state  # nothing was evicted (ratio 0): no head streams
         # A streaming head's segment is in position order (sinks, then the window), so the tokens that left the
-        # window are one span after the sinks: the first one out and how many.
+        # window are one span after the sinks: the first one out and how many (one read per layer for all).
         h = state.shape[1]
-        streaming = self._streaming_heads(layer, "cpu").tolist()
+        streaming = self._streaming_list(layer)
         next_positions = ctx.next_positions()
-        spans = {}
+        segments, found = [], []
         layout = state.layout()
         for s, (start, count) in enumerate(zip(layout.starts, layout.lengths)):
             if streaming[s % h] and count:
                 out = ~self._window(state.positions[start:start + count].long(), next_positions[s // h])
-                first, n_out = torch.stack([out.to(torch.int64).argmax(), out.sum()]).tolist()
-                spans[s] = (first, n_out)
-        return state.drop_spans(spans)
+                segments.append(s)
+                found += [out.to(torch.int64).argmax(), out.sum()]
+        if not segments:
+            return state
+        spans = torch.stack(found).view(-1, 2).tolist()
+        return state.drop_spans({s: (first, n_out) for s, (first, n_out) in zip(segments, spans)})
