@@ -5,11 +5,13 @@ compresses the prompt by its own ``compression_ratio`` / ``budget`` (default: no
 brings each layer back to ``target_size`` tokens per KV head (or, with ``target_size=None``, to
 ``kept_tokens(held)``: the ratio of what an uncompressed cache holds) whenever it has grown ``interval`` tokens
 past it: ``interval=1`` evicts at every step, larger intervals score less often and let the cache grow up to
-``target_size + interval - 1`` in between. Scores come from the scorer's decode-time score (re-scoring the
-stored keys; TOVA's is its current step's attention, so eviction then runs after the step's attention); a
-scorer without one (SnapKV) ranks by the scores it gave at prefill (kept with the layer), generated tokens
-ahead of every prompt token and newer ones first. An allocator as scorer (``scorer=AdaKV(...)``) keeps its
-head-wise allocation at every eviction.
+``target_size + interval - 1`` in between. The default, 10, is kvpress's (its DecodingPress compresses every
+``compression_steps=10`` steps): re-scoring every stored token at every step costs more than the attention it
+saves (Expected Attention's covariance term is one ``L x D x G D`` product per layer). Scores come from the
+scorer's decode-time score (re-scoring the stored keys; TOVA's is its current step's attention, so eviction then
+runs after the step's attention); a scorer without one (SnapKV) ranks by the scores it gave at prefill (kept
+with the layer), generated tokens ahead of every prompt token and newer ones first. An allocator as scorer
+(``scorer=AdaKV(...)``) keeps its head-wise allocation at every eviction.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def prefill_rank_score(store) -> torch.Tensor:
 @dataclass
 class DecodeEvict(ScorerWrapper):
     target_size: int | None = None
-    interval: int = 1
+    interval: int = 10
 
     capabilities: ClassVar[Capabilities] = Capabilities(decode_time=True)
 

@@ -14,8 +14,9 @@ scaling. These expected logits go through the layer's soft-cap, visibility (the 
 expectation of a capped exponential has no closed form.)
 
 While decoding (inside a decode-time wrapper, which calls :meth:`enable_decode_scoring`) the running query sums
-are kept with the layer (``store.extra``, counted in its bytes) and updated with each step's queries, and the
-stored keys are re-scored for the positions after the current one.
+are kept with the layer (``store.extra``, counted in its bytes) and updated with each step's queries (held as
+they are and added in one batched product every 16 steps or when scored), and the stored keys are re-scored for
+the positions after the current one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from kvcomp.compressor import CompressorError
 from kvcomp.ops import softcap, softmax, visible
 from kvcomp.selection import TokenSelection
 from kvcomp.transform_coding import apply_rope, rotate, undo_rope
+
+_FOLD = 16  # decode steps whose queries wait, as they are, before one batched update of the query statistics
 
 
 def average_rope(start: torch.Tensor, n_future: int, inv_freq: torch.Tensor, scaling: float
@@ -106,14 +109,27 @@ class ExpectedAttention(TokenSelection):
         inv_freq, scaling = rope
         return undo_rope(q.float(), positions.unsqueeze(1), inv_freq.to(q.device), scaling)
 
-    def query_sums(self, q, ctx, real):
-        """Running sums of the real pre-RoPE queries ``[B, H_q, n, D]`` (``real``: ``[B, n]``): count ``[B]``,
-        sum ``[B, H_q, D]``, sum of outer products ``[B, H_q, D, D]`` (when ``use_covariance``)."""
-        x = self._pre_rope(q, ctx.query_positions, ctx) * real[:, None, :, None]
+    def query_sums(self, q, positions, ctx, real):
+        """Running sums of the real pre-RoPE queries ``[B, H_q, n, D]`` at ``positions`` ``[B, n]`` (``real``:
+        ``[B, n]``): count ``[B]``, sum ``[B, H_q, D]``, sum of outer products ``[B, H_q, D, D]`` (when
+        ``use_covariance``)."""
+        x = self._pre_rope(q, positions, ctx) * real[:, None, :, None]
         sums = {"q_count": real.sum(1).float(), "q_sum": x.sum(2)}
         if self.use_covariance:
             sums["q_outer"] = torch.matmul(x.transpose(-1, -2), x)
         return sums
+
+    def _folded(self, extra, ctx):
+        """``extra`` with its pending decode-step queries (``q_new``, ``q_new_pos``) added to the sums: one batched
+        RoPE inversion and product for up to ``_FOLD`` steps instead of one per step. A new dict (the tensors of
+        ``extra`` are not written: a snapshot may share them)."""
+        if "q_new" not in extra:
+            return extra
+        real = (extra["q_new_pos"] >= 0).float()  # padded queries were stored as zeros at position -1
+        new = self.query_sums(extra["q_new"], extra["q_new_pos"].clamp_min(0), ctx, real)
+        new.pop("q_count")  # counted at every step
+        out = {name: t for name, t in extra.items() if name not in ("q_new", "q_new_pos")}
+        return {**out, **{name: out[name] + t for name, t in new.items()}}
 
     def _expected_scores(self, keys, values, positions, valid, sums, next_pos, ctx):
         b, hkv, length, d = keys.shape
@@ -153,7 +169,7 @@ class ExpectedAttention(TokenSelection):
     def score(self, q, k, v, ctx):
         def compute():
             real = ctx.query_valid & (ctx.query_positions >= self.n_sink)
-            sums = self.query_sums(q, ctx, real.float())
+            sums = self.query_sums(q, ctx.query_positions, ctx, real.float())
             return self._expected_scores(k, v, ctx.positions, ctx.valid, sums, ctx.next_positions(), ctx)
 
         if ctx.shared is None:
@@ -166,17 +182,30 @@ class ExpectedAttention(TokenSelection):
         if not self._decode:
             return None
         real = ctx.query_valid & (ctx.query_positions >= self.n_sink)
-        return self.query_sums(q, ctx, real.float())
+        return self.query_sums(q, ctx.query_positions, ctx, real.float())
 
     def attend(self, layer, state, q, ctx):
         if state.extra and "q_sum" in state.extra:  # decode-time scoring: this step's queries join the statistics
-            new = self.query_sums(q, ctx, ctx.query_valid.float())
-            state.extra = {**state.extra, **{name: state.extra[name] + new[name] for name in new}}
+            state.extra = self._observed(state.extra, q, ctx)
         return super().attend(layer, state, q, ctx)
+
+    def _observed(self, extra, q, ctx):
+        """``extra`` with a decode step's queries: counted now, kept as they are (post-RoPE, ``q_new``
+        ``[B, H_q, m, D]`` with their positions ``q_new_pos`` ``[B, m]``, -1 for padding) and added to the sums
+        every ``_FOLD`` steps or when scored (:meth:`_folded`)."""
+        real = ctx.query_valid
+        pending = {"q_count": extra["q_count"] + real.sum(1).float(),
+                   "q_new": q.float().masked_fill(~real[:, None, :, None], 0.0),
+                   "q_new_pos": ctx.query_positions.masked_fill(~real, -1)}
+        if "q_new" in extra:
+            pending["q_new"] = torch.cat([extra["q_new"], pending["q_new"]], 2)
+            pending["q_new_pos"] = torch.cat([extra["q_new_pos"], pending["q_new_pos"]], 1)
+        extra = {**extra, **pending}
+        return self._folded(extra, ctx) if pending["q_new_pos"].shape[1] >= _FOLD else extra
 
     def decode_score(self, store, ctx):
         if not store.extra or "q_sum" not in store.extra:
             raise CompressorError("ExpectedAttention scores while decoding only inside a decode-time wrapper "
                                   "(decode_evict, inertiakv), which keeps its query statistics.")
-        return self._expected_scores(store.keys, store.values, store.positions, store.valid, store.extra,
-                                     ctx.next_positions(), ctx)
+        return self._expected_scores(store.keys, store.values, store.positions, store.valid,
+                                     self._folded(store.extra, ctx), ctx.next_positions(), ctx)

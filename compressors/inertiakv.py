@@ -31,6 +31,7 @@ from kvcomp.ragged import RaggedStore
 
 @dataclass
 class InertiaKV(DecodeEvict):
+    interval: int = 1  # the average decides at every step which token goes (it is cheap between refreshes)
     beta: float = 0.9
     mode: str = "lazy"
     refresh: int = 16

@@ -49,7 +49,7 @@ LOSSY = {
     "pyramidkv": dict(compression_ratio=0.5, scorer="keydiff"),
     "criticalkv": dict(compression_ratio=0.5, scorer="keydiff"),
     "duo_attention": dict(compression_ratio=0.5, scorer="keydiff", heads="alternating", n_sink=2, recent=8),
-    "decode_evict": dict(compression_ratio=0.5, scorer="keydiff"),
+    "decode_evict": dict(compression_ratio=0.5, scorer="keydiff", interval=1),  # evicting at every step
     "inertiakv": dict(compression_ratio=0.5, scorer="keydiff", refresh=4, window=4),
 }
 

@@ -154,7 +154,7 @@ def test_expected_attention_with_rope_equals_the_closed_form_with_the_rotated_st
     q = torch.randn(b, hkv * g, n, d, generator=gen)
     k, v = torch.randn(b, hkv, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen)
     ctx = ctx_for(torch.arange(n).expand(b, hkv, n), spec=AttentionSpec(scaling=0.7), g=g)
-    sums = ea.query_sums(q, ctx, torch.ones(b, n))
+    sums = ea.query_sums(q, ctx.query_positions, ctx, torch.ones(b, n))
     mu = sums["q_sum"] / n
     cov = sums["q_outer"] / n - mu.unsqueeze(-1) * mu.unsqueeze(-2)
     matrix = rotate(torch.eye(d), *average_rope(torch.tensor([n]), 5, inv_freq, 1.0))  # x @ A
@@ -163,6 +163,49 @@ def test_expected_attention_with_rope_equals_the_closed_form_with_the_rotated_st
     logits = 0.7 * (kg @ mu_f.unsqueeze(-1)).squeeze(-1) + 0.5 * 0.49 * ((kg @ cov_f) * kg).sum(-1)
     expected = logits.softmax(-1).view(b, hkv, g, n).mean(2) * v.norm(dim=-1)
     assert torch.allclose(ea.score(q, k, v, ctx), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_expected_attention_decode_queries_wait_and_join_the_statistics_exactly():
+    # What attend() does at each decode step (_observed) and decode_score() before scoring (_folded): 20 steps
+    # of one query, row 1 padded at step 5, fold after 16; the result equals the statistics of all real
+    # queries computed at once.
+    gen = torch.Generator().manual_seed(5)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    ea = ExpectedAttention(n_sink=0)
+    ea._rope = {False: (inv_freq, 1.0)}
+    b, hq, d, steps = 2, 4, 8, 20
+    qs = torch.randn(steps, b, hq, 1, d, generator=gen)
+    pos = torch.arange(100, 100 + steps).view(steps, 1, 1).expand(steps, b, 1).clone()
+    valid = torch.ones(steps, b, 1, dtype=torch.bool)
+    valid[5, 1] = False
+    ctx = ctx_for(pos[0].view(b, 1, 1))
+    extra = {name: t.zero_() for name, t in ea.query_sums(qs[0], pos[0], ctx, torch.ones(b, 1)).items()}
+    for i in range(steps):
+        ctx = dataclasses.replace(ctx_for(pos[i].view(b, 1, 1)), query_valid=valid[i])
+        extra = ea._observed(extra, qs[i], ctx)
+        assert (extra["q_new_pos"].shape[1] if "q_new" in extra else 0) == (i + 1) % 16
+    folded = ea._folded(extra, ctx)
+    assert set(folded) == {"q_count", "q_sum", "q_outer"}
+    direct = ea.query_sums(torch.cat(list(qs), 2), torch.cat(list(pos), 1), ctx, torch.cat(list(valid), 1).float())
+    assert folded["q_count"].tolist() == [20.0, 19.0]
+    for name in ("q_sum", "q_outer"):
+        torch.testing.assert_close(folded[name], direct[name], rtol=1e-5, atol=1e-5)
+
+
+def test_expected_attention_decode_statistics_batched_equal_per_step(tiny64, monkeypatch):
+    """Queries folded into the statistics every 16 steps decode the same tokens as folding at every step."""
+    from compressors import expected_attention
+
+    model, tokenizer = tiny64
+
+    def run():
+        compressor = DecodeEvict(scorer=ExpectedAttention(n_sink=2), compression_ratio=0.5, interval=1)
+        return kvcomp.generate(model, tokenizer, CONTEXTS, QUESTIONS, compressor=compressor,
+                               max_new_tokens=40).token_ids
+
+    batched = run()
+    monkeypatch.setattr(expected_attention, "_FOLD", 1)
+    assert run() == batched
 
 
 def test_reconstruction_scores_are_the_max_attention_over_the_repetition():
@@ -433,7 +476,7 @@ def test_duo_attention_pattern_comes_from_a_versioned_artifact_tied_to_the_model
 @pytest.mark.parametrize("scorer", ["knorm", "keydiff", "tova", "expected_attention", "h2o", "streaming_llm", "snapkv"])
 def test_decode_evict_stays_at_target_for_300_steps(tiny, scorer):
     model, tokenizer = tiny
-    cache, out, _ = prefilled(model, tokenizer, DecodeEvict(scorer=scorer, target_size=64))
+    cache, out, _ = prefilled(model, tokenizer, DecodeEvict(scorer=scorer, target_size=64, interval=1))
     sizes = []
     decode(model, cache, out.logits, 300, lambda step, c: sizes.append({int(k.max()) for k in c.kept_tokens()} |
                                                                         {int(k.min()) for k in c.kept_tokens()}))
@@ -466,7 +509,7 @@ def _decode_tracking_copies(model, cache, logits, steps: int):
 
 @pytest.mark.parametrize("make", [
     lambda: DecodeEvict(scorer="keydiff", target_size=1024, interval=16),
-    lambda: DecodeEvict(scorer="knorm", target_size=1024),
+    lambda: DecodeEvict(scorer="knorm", target_size=1024, interval=1),
     lambda: StreamingLLM(budget=1024),
     lambda: TOVA(budget=1024),
     lambda: H2O(budget=1024),
@@ -510,7 +553,7 @@ def test_in_place_eviction_drops_the_oldest_of_tied_lowest_scores():
 
 def test_decode_evict_over_an_allocator_keeps_its_head_wise_budget(tiny):
     model, tokenizer = tiny
-    cache, out, _ = prefilled(model, tokenizer, DecodeEvict(scorer=AdaKV(scorer="knorm"), target_size=48))
+    cache, out, _ = prefilled(model, tokenizer, DecodeEvict(scorer=AdaKV(scorer="knorm"), target_size=48, interval=1))
     totals = []
 
     def check(step, c):
@@ -656,7 +699,8 @@ def _new_methods():
             PyramidKV(scorer="knorm", compression_ratio=0.5), CriticalKV(compression_ratio=0.5),
             AdaKV(scorer=CriticalKV(), compression_ratio=0.5),
             DuoAttention(scorer="knorm", compression_ratio=0.5, heads="alternating", recent=8),
-            DecodeEvict(scorer="knorm", target_size=40), DecodeEvict(scorer="snapkv", compression_ratio=0.5),
+            DecodeEvict(scorer="knorm", target_size=40, interval=1),
+            DecodeEvict(scorer="snapkv", compression_ratio=0.5, interval=1),
             InertiaKV(scorer="expected_attention", target_size=40, mode="score_free", window=8),
             KVzip(compression_ratio=0.5, chunk_size=40, **BARE)]
 
@@ -715,7 +759,7 @@ def test_kvzip_attention_and_scores_from_one_pass_equal_the_direct_forms(monkeyp
     lambda: ExpectedAttention(compression_ratio=0.5), lambda: AdaKV(scorer="keydiff", compression_ratio=0.5),
     lambda: CriticalKV(scorer="keydiff", compression_ratio=0.5),
     lambda: DuoAttention(scorer="keydiff", compression_ratio=0.5, heads="alternating", recent=8),
-    lambda: DecodeEvict(scorer=AdaKV(scorer="keydiff"), target_size=24),
+    lambda: DecodeEvict(scorer=AdaKV(scorer="keydiff"), target_size=24, interval=1),
     lambda: InertiaKV(scorer="keydiff", target_size=24, mode="lazy", refresh=3),
 ], ids=["keydiff", "tova", "ea", "adakv", "criticalkv", "duo", "decode_evict", "inertiakv"])
 def test_batch_equals_each_prompt_alone_for_ragged_and_decode_time_methods(tiny64, make):
