@@ -408,10 +408,15 @@ def test_pyramid_budgets_fall_with_depth_and_sum_to_the_uniform_budget(tiny):
     assert kept[0] > uniform > kept[1] and abs(sum(kept) - 2 * uniform) <= 2
 
 
-def test_criticalkv_scales_scores_by_the_projected_value_norm():
-    values = torch.randn(1, 2, 5, 3)
+@pytest.mark.parametrize("rows", [2, 256])  # tokens per product: the last block of 5 is short, or one block
+def test_criticalkv_scales_scores_by_the_projected_value_norm(monkeypatch, rows):
+    from compressors import criticalkv
+
+    monkeypatch.setattr(criticalkv, "_NORM_ROWS", rows)
+    values = torch.randn(2, 2, 5, 3)
     weight = torch.randn(7, 4 * 3)  # hidden 7, 4 query heads of dim 3 (2 per KV head)
     got = projected_value_norm(values, weight)
+    assert torch.allclose(got[1], projected_value_norm(values[1:], weight)[0])
     wo = weight.t().view(4, 3, 7)
     expected = torch.stack([torch.stack([(values[0, h] @ wo[h * 2 + j]).abs().sum(-1) for j in range(2)]).mean(0)
                             for h in range(2)])
@@ -419,9 +424,9 @@ def test_criticalkv_scales_scores_by_the_projected_value_norm():
     critical = CriticalKV(scorer="knorm", first_stage_ratio=0.5)
     critical._weights = {0: weight}
     scores = torch.tensor([[[5.0, 4.0, 3.0, 2.0, 1.0]] * 2])
-    out = critical._critical(scores, values, torch.ones(1, 2, 5, dtype=torch.bool), torch.tensor([4]), 0)
+    out = critical._critical(scores, values[:1], torch.ones(1, 2, 5, dtype=torch.bool), torch.tensor([4]), 0)
     assert torch.isinf(out[..., :2]).all()  # stage one: half of the budget of 4 by the scorer alone
-    assert torch.allclose(out[..., 2:], (scores[..., 2:] + 1e-4) * got[..., 2:])
+    assert torch.allclose(out[..., 2:], (scores[..., 2:] + 1e-4) * got[:1, :, 2:])
 
 
 def test_duo_attention_streaming_heads_stay_bounded_and_the_layer_keeps_its_budget(tiny):
