@@ -314,6 +314,15 @@ class KVTC(Compressor):
                                    key_codes=state.key_codes[:, :, :0].clone(),
                                    value_codes=state.value_codes[:, :, :0].clone(), blocks=blocks)
 
+    def component_codes(self, state: KVTCState) -> list[list[torch.Tensor]]:
+        """The quantized codes the stored blocks entropy-code: ``[h][kind]`` (kind 0 keys, 1 values) ``[B, T, c]``
+        uint8, the ``c`` components KV head ``h`` stores in :func:`kvcomp.transform_coding.coding_order` (a hole's
+        slots hold zeros: ``state.positions`` is ``SENTINEL`` there). From the live codes; for analysis."""
+        codec = self.codec(state.layer, state.window.keys.dtype, state.positions.device)
+        unpacked = [self._unpacked(codec, state, kind, slice(None)) for kind in (0, 1)]
+        return [[unpacked[kind][:, h, :, :sum(c for k, _, c in codec["segments"][h] if k == kind)]
+                 for kind in (0, 1)] for h in range(state.positions.shape[1])]
+
     def stored_nbytes(self, state: KVTCState) -> int:
         return self.nbytes(self.stored_form(state.layer, state))["device"]
 

@@ -595,6 +595,46 @@ def test_kvtc_bound_command_writes_its_table(tiny, artifact, tmp_path, monkeypat
     assert float(rows[1]["bound_head"]) > float(rows[0]["bound_head"])  # fewer bits, more distortion
 
 
+# -- where the stored bytes go (experiments/kvtc_bytes.py) ------------------------------------------------------
+def test_ideal_coder_entropies_on_hand_computed_codes():
+    from experiments.kvtc_bytes import code_entropies, conditional_entropy_bits, entropy_bits
+
+    x = np.array([0, 0, 1, 1, 0, 0, 1, 1], dtype=np.uint8)
+    assert entropy_bits(x) == pytest.approx(8.0)  # two equally likely symbols: 1 bit each
+    assert conditional_entropy_bits(x, x) == pytest.approx(0.0)  # known from the context
+    assert conditional_entropy_bits(x, np.zeros(8, dtype=np.uint8)) == pytest.approx(8.0)  # a useless context
+    # Component 1 copies component 0: it costs nothing given the previous component; each alternates in pairs,
+    # so given the previous token half of the 7 later codes are known (0 -> 0 or 1, 1 -> 0 or 1 equally often).
+    codes = np.stack([x, x], 1)
+    bits = code_entropies(codes)
+    assert bits["order0"] == pytest.approx(16.0) and bits["prev_component"] == pytest.approx(8.0)
+    assert bits["prev_token"] < bits["order0"]
+
+
+def test_kvtc_bytes_splits_the_stored_form_and_resumes(tiny, artifact, tmp_path):
+    import json
+
+    from experiments.kvtc_bytes import ROWS, measure
+
+    model, tokenizer = tiny
+    kwargs = dict(lengths=[384], tasks=["ruler/niah_single_1"], samples=1, factors=[4, 16], out_dir=tmp_path,
+                  artifact=artifact)
+    rows = measure(model, tokenizer, **kwargs)
+    assert [r["factor"] for r in rows] == [4.0, 16.0]
+    coarse, fine = rows[1], rows[0]
+    for r in rows:
+        assert r["blocks"] > 0 and r["dense"] > 0 and r["coded_tokens"] > 0
+        assert r["prev_component"] <= r["order0"] + 1e-6  # a context never raises a plug-in entropy
+        total = r["dense"] + r["other"] + r["blocks"]
+        assert r["ratio_stored"] == pytest.approx(r["full_kv_16bit"] / total)
+    assert coarse["blocks"] < fine["blocks"] and coarse["order0"] < fine["order0"]
+    assert coarse["dense"] == fine["dense"]  # the sinks and window do not depend on the factor
+    lines = (tmp_path / ROWS).read_text().splitlines()
+    assert len(measure(model, tokenizer, **kwargs)) == 2 and (tmp_path / ROWS).read_text().splitlines() == lines
+    assert json.loads(lines[0])["sample"] == rows[0]["sample"]
+    assert (tmp_path / "summary.csv").read_text().count("\n") == 3  # header and one row per factor
+
+
 def test_resuming_a_run_with_another_calibration_is_a_config_mismatch(tiny, artifact, tmp_path):
     import shutil
 
