@@ -9,14 +9,15 @@ factor, the stored form of every layer (:meth:`compressors.kvtc.KVTC.stored_form
 * ``blocks``: the zstd-coded blocks of the quantized codes (headers and positions included),
 * ``other``: the per-row counters,
 
-and the codes of the blocks are measured against three ideal coders (plug-in entropies over the context's coded
-tokens, in bytes): ``order0`` (each component coded with its own histogram over the context: what a per-component
-arithmetic coder could reach at best), ``prev_token`` (conditioned on the same component of the previous token)
-and ``prev_component`` (conditioned on the previous component of the same token). The last two say whether
-context modelling could reach well below ``order0``. Plug-in conditional entropies are biased low by about
-``(levels**2 - 1) / (2 N ln 2)`` bits a code (under 0.02 bit for 15 levels at 8K tokens), so they flatter those
-coders slightly. ``ratio_*``: the 16-bit full KV of the context over each total (``dense + other`` plus the
-blocks as stored, or plus an ideal coder's bytes).
+and the codes of the blocks are measured against three ideal adaptive coders (bytes): ``order0`` (each
+component coded with its own adaptive histogram over the context), ``prev_token`` (one adaptive histogram per
+value of the same component of the previous token) and ``prev_component`` (per value of the previous component of
+the same token). Each is the exact code length of an adaptive arithmetic coder with the Krichevsky-Trofimov
+estimator (counts start at 1/2 over the component's alphabet: 3, 15 or 255 levels), which depends only on the
+final counts; it includes the cost of learning the histograms, so a context with many rare values is not
+flattered the way a plug-in conditional entropy would be. The last two say whether context modelling could reach
+well below ``order0``. ``ratio_*``: the 16-bit full KV of the context over each total (``dense + other`` plus
+the blocks as stored, or plus an ideal coder's bytes).
 
 Rows are appended to ``<out>/kvtc_bytes.jsonl`` as they are measured (a rerun with the same ``--out`` resumes);
 ``kvtc_bytes.csv`` holds every row and ``summary.csv`` the means per length and factor.
@@ -39,33 +40,39 @@ ROWS = "kvtc_bytes.jsonl"
 CODERS = ("order0", "prev_token", "prev_component")
 
 
-def entropy_bits(x: np.ndarray) -> float:
-    """Plug-in entropy of the symbols ``x`` (1-D, small non-negative ints), times their number: bits in all."""
-    counts = np.bincount(x)
-    p = counts[counts > 0] / x.size
-    return float(-(p * np.log2(p)).sum() * x.size)
+def adaptive_bits(x: np.ndarray, alphabet: int, context: np.ndarray | None = None) -> float:
+    """Bits an adaptive arithmetic coder with the Krichevsky-Trofimov estimator spends on the symbols ``x``
+    (1-D ints in ``[0, alphabet)``), with one histogram per value of ``context`` (1-D non-negative ints, or None:
+    one histogram). The sequential cost depends only on the final counts ``n_cx``:
+    ``sum_c log2(G(N_c + A / 2) / G(A / 2)) - sum_cx log2(G(n_cx + 1 / 2) / G(1 / 2))``, ``A`` the alphabet."""
+    from scipy.special import gammaln
+
+    x = x.astype(np.int64)
+    context = np.zeros_like(x) if context is None else context.astype(np.int64)
+    joint = np.bincount(context * alphabet + x)
+    per_context = np.bincount(context)
+    joint, per_context = joint[joint > 0], per_context[per_context > 0]
+    half = alphabet / 2
+    nats = (gammaln(per_context + half) - gammaln(half)).sum() - (gammaln(joint + 0.5) - gammaln(0.5)).sum()
+    return float(nats / np.log(2))
 
 
-def conditional_entropy_bits(x: np.ndarray, context: np.ndarray) -> float:
-    """Plug-in ``H(x | context) * len(x)`` in bits (``x``, ``context``: 1-D uint8 arrays of one length)."""
-    return entropy_bits(x.astype(np.int64) * 256 + context) - entropy_bits(context.astype(np.int64))
-
-
-def code_entropies(codes: np.ndarray) -> dict[str, float]:
-    """Bits of the ``[T, c]`` codes of one KV head and kind under each ideal coder of :data:`CODERS`. The first
-    token (no previous one) and the first component (no previous one) count at their order-0 rate."""
+def code_bits(codes: np.ndarray, alphabets: list[int]) -> dict[str, float]:
+    """Bits of the ``[T, c]`` codes of one KV head and kind (component ``j`` in ``[0, alphabets[j])``) under each
+    ideal coder of :data:`CODERS`. The first token (no previous one) and the first component (no previous one)
+    are coded with one histogram."""
     out = dict.fromkeys(CODERS, 0.0)
-    for j in range(codes.shape[1]):
+    for j, alphabet in enumerate(alphabets):
         x = codes[:, j]
-        order0 = entropy_bits(x)
-        out["order0"] += order0
-        out["prev_token"] += conditional_entropy_bits(x[1:], x[:-1]) + order0 / max(len(x), 1)
-        out["prev_component"] += conditional_entropy_bits(x, codes[:, j - 1]) if j else order0
+        out["order0"] += adaptive_bits(x, alphabet)
+        out["prev_token"] += adaptive_bits(x[1:], alphabet, x[:-1]) + adaptive_bits(x[:1], alphabet)
+        out["prev_component"] += adaptive_bits(x, alphabet, codes[:, j - 1]) if j else adaptive_bits(x, alphabet)
     return out
 
 
 def breakdown(compressor, cache) -> dict[str, float]:
     """Bytes of every layer's stored KVTC state, split as in the module docstring, and the ideal coders' bytes."""
+    from kvcomp import transform_coding as tc
     from kvcomp.ops import SENTINEL
 
     row = {"dense": 0, "blocks": 0, "other": 0, "coded_tokens": 0, **{c: 0.0 for c in CODERS}}
@@ -78,10 +85,12 @@ def breakdown(compressor, cache) -> dict[str, float]:
         row["other"] += compressor.nbytes(stored)["device"] - dense - stored.coded_bytes()
         real = (state.positions < SENTINEL).cpu().numpy()  # [B, H, T]
         row["coded_tokens"] += int(real.sum())
+        segments = compressor.codec(layer.layer_idx, state.window.keys.dtype)["segments"]
         for h, kinds in enumerate(compressor.component_codes(state)):
-            for codes in kinds:
+            for kind, codes in enumerate(kinds):
+                alphabets = [2 * tc.max_level(b) + 1 for k, b, c in segments[h] if k == kind for _ in range(c)]
                 for b in range(codes.shape[0]):
-                    bits = code_entropies(codes[b].cpu().numpy()[real[b, h]])
+                    bits = code_bits(codes[b].cpu().numpy()[real[b, h]], alphabets)
                     for name in CODERS:
                         row[name] += bits[name] / 8
     return row

@@ -596,19 +596,21 @@ def test_kvtc_bound_command_writes_its_table(tiny, artifact, tmp_path, monkeypat
 
 
 # -- where the stored bytes go (experiments/kvtc_bytes.py) ------------------------------------------------------
-def test_ideal_coder_entropies_on_hand_computed_codes():
-    from experiments.kvtc_bytes import code_entropies, conditional_entropy_bits, entropy_bits
+def test_ideal_adaptive_coders_on_hand_computed_codes():
+    from experiments.kvtc_bytes import adaptive_bits, code_bits
 
     x = np.array([0, 0, 1, 1, 0, 0, 1, 1], dtype=np.uint8)
-    assert entropy_bits(x) == pytest.approx(8.0)  # two equally likely symbols: 1 bit each
-    assert conditional_entropy_bits(x, x) == pytest.approx(0.0)  # known from the context
-    assert conditional_entropy_bits(x, np.zeros(8, dtype=np.uint8)) == pytest.approx(8.0)  # a useless context
-    # Component 1 copies component 0: it costs nothing given the previous component; each alternates in pairs,
-    # so given the previous token half of the 7 later codes are known (0 -> 0 or 1, 1 -> 0 or 1 equally often).
-    codes = np.stack([x, x], 1)
-    bits = code_entropies(codes)
-    assert bits["order0"] == pytest.approx(16.0) and bits["prev_component"] == pytest.approx(8.0)
-    assert bits["prev_token"] < bits["order0"]
+    # Krichevsky-Trofimov, 4 zeros and 4 ones of 2 symbols: log2(8! / (G(4.5) / G(0.5))**2) = 9.8707 bits.
+    assert adaptive_bits(x, 2) == pytest.approx(9.8707, abs=1e-4)
+    assert adaptive_bits(x, 3) > adaptive_bits(x, 2)  # a symbol never seen still costs its share
+    assert adaptive_bits(x, 2, np.zeros(8, dtype=np.uint8)) == pytest.approx(adaptive_bits(x, 2))  # useless context
+    # Known from the context: two histograms of 4 equal symbols, log2(4! / (G(4.5) / G(0.5))) = 1.8707 bits each.
+    assert adaptive_bits(x, 2, x) == pytest.approx(2 * 1.8707, abs=1e-4)
+    # Component 1 copies component 0: given the previous component it costs only the learning of its histograms.
+    bits = code_bits(np.stack([x, x], 1), [2, 2])
+    assert bits["order0"] == pytest.approx(2 * adaptive_bits(x, 2))
+    assert bits["prev_component"] == pytest.approx(adaptive_bits(x, 2) + adaptive_bits(x, 2, x))
+    assert bits["prev_component"] < bits["order0"]
 
 
 def test_kvtc_bytes_splits_the_stored_form_and_resumes(tiny, artifact, tmp_path):
@@ -624,7 +626,7 @@ def test_kvtc_bytes_splits_the_stored_form_and_resumes(tiny, artifact, tmp_path)
     coarse, fine = rows[1], rows[0]
     for r in rows:
         assert r["blocks"] > 0 and r["dense"] > 0 and r["coded_tokens"] > 0
-        assert r["prev_component"] <= r["order0"] + 1e-6  # a context never raises a plug-in entropy
+        assert r["order0"] > 0 and r["prev_token"] > 0 and r["prev_component"] > 0
         total = r["dense"] + r["other"] + r["blocks"]
         assert r["ratio_stored"] == pytest.approx(r["full_kv_16bit"] / total)
     assert coarse["blocks"] < fine["blocks"] and coarse["order0"] < fine["order0"]
