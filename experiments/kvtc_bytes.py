@@ -113,29 +113,35 @@ def measure(model, tokenizer, *, lengths, tasks, samples: int, factors, out_dir,
     rows = _read_jsonl(path, repair=True)
     done = {(r["length"], r["sample"], r["factor"]) for r in rows}
     artifact = ensure_artifact(model, tokenizer, artifact, tokens=calibration_tokens)
-    todo = [(length, task, float(f)) for length in lengths for task in tasks for f in factors]
-    for length, task, factor in tqdm(todo, desc="kvtc bytes"):
-        for sample in load_samples(task, tokenizer, length=length, num_samples=samples, seed=seed).samples:
-            if (length, sample.id, factor) in done:
-                continue
-            ids = split_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix,
-                               sample.chat_template).context_ids
-            compressor = KVTC(compression_factor=factor, artifact=artifact)
-            cache = CompressedCache(model, compressor)
-            with torch.inference_mode():
-                model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
-            row = {"length": length, "task": task, "sample": sample.id, "factor": factor, "tokens": len(ids),
-                   "full_kv_16bit": full_kv_16bit(model, len(ids)), **breakdown(compressor, cache)}
-            fixed = row["dense"] + row["other"]
-            row["ratio_stored"] = row["full_kv_16bit"] / (fixed + row["blocks"])
-            for name in CODERS:
-                row[f"ratio_{name}"] = row["full_kv_16bit"] / (fixed + row[name])
-            row["blocks_over_order0"] = row["blocks"] / row["order0"]
-            row["dense_share"] = row["dense"] / (fixed + row["blocks"])
-            with open(path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            rows.append(row)
-            done.add((length, sample.id, factor))
+    factors = [float(f) for f in factors]
+    progress = tqdm(total=len(lengths) * len(tasks) * samples * len(factors), desc="kvtc bytes")
+    for length in lengths:
+        for task in tasks:
+            for sample in load_samples(task, tokenizer, length=length, num_samples=samples, seed=seed).samples:
+                ids = split_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix,
+                                   sample.chat_template).context_ids
+                for factor in factors:
+                    progress.update()
+                    if (length, sample.id, factor) in done:
+                        continue
+                    compressor = KVTC(compression_factor=factor, artifact=artifact)
+                    cache = CompressedCache(model, compressor)
+                    with torch.inference_mode():
+                        model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+                    row = {"length": length, "task": task, "sample": sample.id, "factor": factor,
+                           "tokens": len(ids), "full_kv_16bit": full_kv_16bit(model, len(ids)),
+                           **breakdown(compressor, cache)}
+                    fixed = row["dense"] + row["other"]
+                    row["ratio_stored"] = row["full_kv_16bit"] / (fixed + row["blocks"])
+                    for name in CODERS:
+                        row[f"ratio_{name}"] = row["full_kv_16bit"] / (fixed + row[name])
+                    row["blocks_over_order0"] = row["blocks"] / row["order0"]
+                    row["dense_share"] = row["dense"] / (fixed + row["blocks"])
+                    with open(path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    rows.append(row)
+                    done.add((length, sample.id, factor))
+    progress.close()
     _write(out, rows)
     return rows
 
