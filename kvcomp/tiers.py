@@ -195,26 +195,35 @@ class Tier:
                non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` ``[B, H, k, D]`` of the tokens ``index`` ``[B, H, k]`` (long, per row and head).
 
-        Entries ``< 0`` are not read: their K/V are zeros and they cost no bytes."""
+        Entries ``< 0`` are not read: their K/V are zeros and they cost no bytes. One ``index_select`` over the
+        storage's ``[capacity * B * H, 2, D]`` rows (a token's K and V of one head are one row)."""
         with self._lock:
             slot = self._slot(layer)
             b, h = slot.data.shape[1:3]
             if tuple(index.shape[:2]) != (b, h):
                 raise ValueError(f"gather: index {tuple(index.shape)} does not match [B={b}, H={h}, k].")
             index = index.to(slot.data.device)
-            if bool((index >= slot.length).any()):
-                raise IndexError(f"gather: token index beyond the {slot.length} stored in layer {layer}.")
-            wanted = index >= 0
-            out = torch.zeros(*index.shape, *slot.data.shape[3:], dtype=slot.data.dtype, device=slot.data.device,
-                              pin_memory=self._pin_out(slot.data))
-            if bool(wanted.all()):
-                bi = torch.arange(b, device=index.device).view(b, 1, 1)
-                hi = torch.arange(h, device=index.device).view(1, h, 1)
-                out.copy_(slot.data[index, bi, hi])
+            shape = (*index.shape, *slot.data.shape[3:])
+            rows = slot.data.view(-1, *slot.data.shape[3:])
+            if index.numel() == 0:
+                out, wanted = rows.new_zeros(shape), 0
             else:
-                bi, hi, ji = wanted.nonzero(as_tuple=True)
-                out[bi, hi, ji] = slot.data[index[bi, hi, ji], bi, hi]
-            self.bytes_read += int(wanted.sum()) * slot.data[0, 0, 0].numel() * out.element_size()
+                low, high = (int(x) for x in index.aminmax())
+                if high >= slot.length:
+                    raise IndexError(f"gather: token index beyond the {slot.length} stored in layer {layer}.")
+                heads = torch.arange(b * h, device=index.device).view(b, h, 1)
+                flat = (index * (b * h) + heads).flatten()
+                out = torch.empty(shape, dtype=slot.data.dtype, device=slot.data.device,
+                                  pin_memory=self._pin_out(slot.data))
+                if low >= 0:  # everything wanted: the common case, one gather
+                    torch.index_select(rows, 0, flat, out=out.view(-1, *shape[3:]))
+                    wanted = index.numel()
+                else:
+                    keep = (index >= 0).flatten().nonzero().squeeze(1)
+                    out.zero_()
+                    out.view(-1, *shape[3:])[keep] = rows.index_select(0, flat[keep])
+                    wanted = keep.numel()
+            self.bytes_read += wanted * slot.data[0, 0, 0].numel() * out.element_size()
             self._drop_pages(layer)
         out = self._to(out, device, non_blocking)
         return out[..., 0, :], out[..., 1, :]

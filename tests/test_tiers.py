@@ -60,6 +60,11 @@ def test_gather_skips_negative_indices_and_counts_bytes(tier):
     assert torch.equal(k[1, 2], k0[1, 2, :6])
     with pytest.raises(IndexError):
         tier.gather(3, torch.full((B, H, 1), 50))
+    k, v = tier.gather(3, torch.full((B, H, 3), -1))  # nothing wanted: zeros, no bytes
+    k_none, _ = tier.gather(3, torch.zeros(B, H, 0, dtype=torch.long))  # an empty selection
+    assert tier.bytes_read - before == (B * H * 6 - 4) * 2 * D * 4
+    assert torch.equal(k, torch.zeros(B, H, 3, D)) and torch.equal(v, torch.zeros(B, H, 3, D))
+    assert k_none.shape == (B, H, 0, D)
 
 
 def test_returned_tensors_are_copies_not_views(tier):
