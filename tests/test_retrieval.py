@@ -133,8 +133,8 @@ def test_specache_selection_is_the_true_top_k_when_the_low_bit_copy_is_exact():
 @pytest.mark.parametrize("correction", ["cosine", "missed"])
 def test_correction_replaces_stale_prefetch(tmp_path, make, overlap, correction):
     """The prefetch is chosen with the prompt's last query; a decode query pointing elsewhere (cosine -1) must
-    be corrected: the output equals exact (non-speculative) retrieval with the new query, and a repeated
-    query uses the prefetch unchanged."""
+    be corrected: the output equals exact (non-speculative) retrieval with the new query, a repeated query uses
+    the prefetch unchanged, and with one KV head's query turned around only that head is corrected."""
     kw = dict(top_k=3, n_sink=4, window=8, tier="disk", offload_dir=str(tmp_path), overlap=overlap,
               correction=correction)
     if make is FreeKV:
@@ -144,7 +144,8 @@ def test_correction_replaces_stale_prefetch(tmp_path, make, overlap, correction)
     q, k, v, ctx = layer_inputs()
     new_k, new_v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
     last = q[:, :, -1:]
-    for query, corrected in ((-last, 2), (last, 0)):
+    mixed = torch.cat([-last[:, :2], last[:, 2:]], dim=1)  # KV head 0's queries turn around, head 1's stay
+    for query, corrected in ((-last, 2), (last, 0), (mixed, 1)):
         outs = []
         for speculative in (True, False):
             c = make(speculative=speculative, **kw)
@@ -153,8 +154,12 @@ def test_correction_replaces_stale_prefetch(tmp_path, make, overlap, correction)
             outs.append(c.attend(0, state, query, decode_ctx(200)))
             if speculative:
                 assert state.stats.speculated == 2 and state.stats.corrected == corrected
-                if correction == "cosine":  # a corrected head takes nothing from the prefetch
-                    assert state.stats.served_sum == 2 - corrected
+                # A corrected head keeps the prefetched units its own selection wants (its recall) and fetches
+                # only the missed ones: 2 heads x 3 prefetched units, then the missed units (a FreeKV unit is a
+                # page of 8 tokens, a SpeCache unit one token).
+                assert state.stats.served_sum == (state.stats.recall_sum if corrected else 2)
+                missed = round(3 * (2 - state.stats.recall_sum))
+                assert state.stats.decode_bytes == (6 + missed) * kw.get("page_size", 1) * 2 * 16 * 4
                 assert state.prefetcher.stats.prefetches_used == 1
                 # The same query selects the same units (recall 1 per head); the opposite one mostly others.
                 assert state.stats.recall_sum == 2.0 if corrected == 0 else state.stats.recall_sum < 2.0
