@@ -274,28 +274,35 @@ def test_dispatcher_sends_float32_cpu_quant_attention_to_the_native_kernel(monke
     assert calls == [1]
 
 
-@pytest.mark.parametrize("bits,gqa,d,residual,n,channels", [
-    (4, 3, 24, 6, 2, None), (2, 4, 16, 0, 2, None), (8, 1, 24, 5, 2, None), (4, 3, 64, 6, 1, None),
-    (2, 7, 16, 3, 1, None),
+@pytest.mark.parametrize("bits,gqa,d,residual,n,channels,group", [
+    (4, 3, 24, 6, 2, None, 8), (2, 4, 16, 0, 2, None, 8), (8, 1, 24, 5, 2, None, 8), (4, 3, 64, 6, 1, None, 8),
+    (2, 7, 16, 3, 1, None, 8),
     # value scales over 32 channels, as the compressor's default group_size gives: the kernel's vector path
     # (16 columns per vector, each inside one scale's channels) for D = 64, 128 and 256
-    (4, 3, 64, 6, 1, 32), (8, 4, 128, 5, 2, 32), (4, 4, 256, 6, 1, 32), (4, 1, 64, 0, 2, 64),
+    (4, 3, 64, 6, 1, 32, 8), (8, 4, 128, 5, 2, 32, 8), (4, 4, 256, 6, 1, 32, 8), (4, 1, 64, 0, 2, 64, 8),
+    # groups of 16 and 32 tokens at 2 bits: the keys' sixteen-tokens-per-vector path
+    (2, 3, 64, 6, 1, 64, 16), (2, 3, 64, 6, 2, 32, 32), (2, 1, 128, 0, 1, None, 16),
 ])
-def test_native_cpu_quant_attention_matches_reference(bits, gqa, d, residual, n, channels):
+def test_native_cpu_quant_attention_matches_reference(bits, gqa, d, residual, n, channels, group):
     """Query rows (G x n) of 6, 8, 2, 3 and 7 exercise the kernel's row blocking; D = 64 its unrolled path."""
     if DEVICE != "cpu" or cpu_native.load() is None:
         pytest.skip("no C compiler")
-    args = quant_case(bits, gqa, torch.float32, d=d, residual=residual, n=n, seed=11, channels=channels)
+    args = quant_case(bits, gqa, torch.float32, d=d, residual=residual, n=n, seed=11, channels=channels,
+                      group=group, n_groups=5 if group < 32 else 3)
     torch.testing.assert_close(cpu_native.quant_attention(*args), quant_ref.quant_attention(*args),
                                rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits,gqa,d,n", [(2, 3, 64, 1), (4, 4, 24, 2), (1, 3, 64, 1), (8, 1, 16, 1)])
-def test_native_quant_key_logits_are_the_dequantized_keys_logits(bits, gqa, d, n):
+@pytest.mark.parametrize("bits,gqa,d,n,group", [
+    (2, 3, 64, 1, 8), (4, 4, 24, 2, 8), (1, 3, 64, 1, 8), (8, 1, 16, 1, 8),
+    # sixteen tokens per vector (1 and 2 bits, groups of 16k tokens, 16k bytes per token): rows 3, 5 (4 + 1), 1
+    (2, 3, 64, 1, 16), (2, 5, 64, 1, 32), (2, 1, 128, 1, 16), (1, 3, 128, 1, 64), (1, 2, 128, 2, 16),
+])
+def test_native_quant_key_logits_are_the_dequantized_keys_logits(bits, gqa, d, n, group):
     """Every quantized key's scaled logit for every query row (m = head-in-group * n + query), 1 bit included."""
     if DEVICE != "cpu" or cpu_native.load() is None:
         pytest.skip("no C compiler")
-    b, h, n_groups, group = 2, 2, 3, 8
+    b, h, n_groups = 2, 2, 3
     q = randn(b, h * gqa, n, d, seed=21)
     kc, ks, kz = quant_ref.quantize_keys(randn(b, h, n_groups, group, d, seed=22), bits)
     keys = quant_ref.dequantize_keys(kc, ks, kz, bits, torch.float32).flatten(2, 3)
