@@ -17,8 +17,7 @@ Speculative retrieval (``speculative=True``): the units for step t+1 are chosen 
 after step t's attention and fetched in the background (:class:`kvcomp.tiers.Prefetcher`); at step t+1 the
 KV heads whose query moved (cosine similarity to step t's query below ``tau``, averaged over the KV head's
 query group) are corrected: they attend the units their new query selects, the ones the prefetch holds taken from
-it and the others fetched synchronously. The prompt's last query
-drives the prefetch for the first decode step. ``overlap=False`` keeps the same selections but performs
+it and the others fetched synchronously. The prompt's last query drives the prefetch for the first decode step. ``overlap=False`` keeps the same selections but performs
 each fetch only when it is needed (no overlap: the baseline to measure what overlap buys); ``overlap=None``, the
 default, fetches in a background thread only where a fetch is a transfer that can run beside the step (a CUDA
 device's tiers, a store), and when needed where it is a gather from this CPU's own memory or page cache: there
@@ -120,7 +119,8 @@ class Retrieval(Compressor):
     head and step (overrides ``budget_fraction``). tier: "auto" (host memory on CUDA, disk otherwise),
     "disk", "host" or "ram". offload_dir: where the disk tier writes (None: $KVCOMP_OFFLOAD_DIR or /tmp).
     correction: how a speculative prefetch is corrected, "cosine" (heads whose query moved below ``tau``
-    attend their own selection, fetching what the prefetch missed) or "missed" (fetch exactly the units the prefetch missed; output identical to exact retrieval).
+    attend their own selection, fetching what the prefetch missed) or "missed" (every head does: output
+    identical to exact retrieval).
     speculative: True, False, or None (prefetch only where it can change the output or hide a transfer).
     overlap: True (fetch in a background thread), False (each fetch when needed), or None (a thread only where
     a fetch is a transfer: a CUDA device's tiers or a store). Neither changes what is fetched.
