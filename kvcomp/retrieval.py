@@ -17,8 +17,8 @@ Speculative retrieval (``speculative=True``): the units for step t+1 are chosen 
 after step t's attention and fetched in the background (:class:`kvcomp.tiers.Prefetcher`); at step t+1 the
 KV heads whose query moved (cosine similarity to step t's query below ``tau``, averaged over the KV head's
 query group) are corrected: they attend the units their new query selects, the ones the prefetch holds taken from
-it and the others fetched synchronously. The prompt's last query drives the prefetch for the first decode step. ``overlap=False`` keeps the same selections but performs
-each fetch only when it is needed (no overlap: the baseline to measure what overlap buys); ``overlap=None``, the
+it and the others fetched synchronously. The prompt's last query drives the prefetch for the first decode step.
+``overlap=False`` keeps the same selections but performs each fetch only when it is needed (no overlap: the baseline to measure what overlap buys); ``overlap=None``, the
 default, fetches in a background thread only where a fetch is a transfer that can run beside the step (a CUDA
 device's tiers, a store), and when needed where it is a gather from this CPU's own memory or page cache: there
 the thread only contends with the step for the same cores and the interpreter lock (FreeKV at 8K on SmolLM2,
