@@ -13,21 +13,21 @@ memory or RAM) at prefill and appended while decoding. Resident on the fast tier
 
 Each decode step a method scores the summary with the step's queries (``score``: ``[B, H_kv, U]`` per unit,
 aggregated over each KV head's query group by the maximum) and the top units per KV head are fetched.
-Speculative retrieval (``speculative=True``): the units for step t+1 are chosen with step t's queries right
-after step t's attention and fetched in the background (:class:`kvcomp.tiers.Prefetcher`); at step t+1 the
-KV heads whose query moved (cosine similarity to step t's query below ``tau``, averaged over the KV head's
-query group) are corrected: they attend the units their new query selects, the ones the prefetch holds taken from
-it and the others fetched synchronously. The prompt's last query drives the prefetch for the first decode step.
-``overlap=False`` keeps the same selections but performs each fetch only when it is needed (no overlap: the baseline to measure what overlap buys); ``overlap=None``, the
-default, fetches in a background thread only where a fetch is a transfer that can run beside the step (a CUDA
-device's tiers, a store), and when needed where it is a gather from this CPU's own memory or page cache: there
-the thread only contends with the step for the same cores and the interpreter lock (FreeKV at 8K on SmolLM2,
-2 threads: 116.5 ms/token overlapped, 102.5 not; experiments/results/bench-freekv-overlap-embedded);
-``speculative=False`` selects with the step's own query and fetches synchronously (exact retrieval).
-``correction="missed"`` replaces the cosine rule: every step the units the step's own query selects are
-compared with the prefetched ones, the prefetched units it wants are kept and only the ones the prefetch missed
-are fetched synchronously, so the output is identical to exact retrieval and the prefetch hides the share of
-the transfer it guessed right (``recall``). The selection is computed every step in both modes.
+Speculative retrieval (``speculative=True``): the units for step t+1 are chosen with step t's queries right after
+step t's attention and fetched in the background (:class:`kvcomp.tiers.Prefetcher`); at step t+1 the KV heads whose
+query moved (cosine similarity to step t's query below ``tau``, averaged over the KV head's query group) are
+corrected: they attend the units their new query selects, the ones the prefetch holds taken from it and the others
+fetched synchronously. The prompt's last query drives the prefetch for the first decode step. ``overlap=False``
+keeps the same selections but performs each fetch only when it is needed (no overlap: the baseline to measure what
+overlap buys); ``overlap=None``, the default, fetches in a background thread only where a fetch is a transfer that
+can run beside the step (a CUDA device's tiers, a store), and when needed where it is a gather from this CPU's own
+memory or page cache: there the thread only contends with the step for the same cores and the interpreter lock
+(FreeKV at 8K on SmolLM2, 2 threads: 116.5 ms/token overlapped, 102.5 not;
+experiments/results/bench-freekv-overlap-embedded); ``speculative=False`` selects with the step's own query and
+fetches synchronously (exact retrieval). ``correction="missed"`` replaces the cosine rule: every step the units the
+step's own query selects are compared with the prefetched ones, the prefetched units it wants are kept and only the
+ones the prefetch missed are fetched synchronously, so the output is identical to exact retrieval and the prefetch
+hides the share of the transfer it guessed right (``recall``). The selection is computed every step in both modes.
 
 A forward of several tokens (a question block appended to a compressed context, a verified draft) attends
 over the full KV read back from the tier: that is prefill-like work, as in FreeKV and SpeCache.
