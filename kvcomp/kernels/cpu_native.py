@@ -203,7 +203,8 @@ static void group_logits(const float* restrict qb, const float* restrict s, cons
                 for (int k = 0; k < 4; k++) rows[k] = m + k < M ? scaled_q + (m + k) * D : codes;
                 v16f acc[4];
                 tile_logits16(kc + i * W, W, bits, (int)(M - m), rows[0], rows[1], rows[2], rows[3], acc);
-                for (int k = 0; k < 4 && m + k < M; k++) store16(out + (m + k) * stride + i, (acc[k] + bias[m + k]) * scaling);
+                for (int k = 0; k < 4 && m + k < M; k++)
+                    store16(out + (m + k) * stride + i, (acc[k] + bias[m + k]) * scaling);
             }
         return;
     }
