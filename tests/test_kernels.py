@@ -330,6 +330,51 @@ def test_native_quant_attention_reuses_given_key_logits_exactly(bits, gqa, d, re
         cpu_native.quant_attention(*args, key_logits=logits[:, :1])
 
 
+# -- top-k in ascending order ------------------------------------------------------------------------------------
+def test_native_top_ascending_breaks_ties_by_lowest_index():
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0], [0.0, -0.0, float("-inf"), float("nan"), 5.0]])
+    assert cpu_native.top_ascending(scores, 2).tolist() == [[1, 2], [3, 4]]  # NaN ranks above +inf, as topk
+    assert cpu_native.top_ascending(scores, 5).tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert cpu_native.top_ascending(scores, 0).shape == (2, 0)
+    with pytest.raises(ValueError, match="k=6"):
+        cpu_native.top_ascending(scores, 6)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "infinities", "huge", "one-ulp apart"])
+def test_native_top_ascending_keeps_the_k_largest_in_order(kind):
+    """Against torch.topk on rows whose k-th value falls anywhere in the radix select's three passes."""
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    g = gen(31)
+    for _ in range(40):
+        rows, length = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 3000, (1,), generator=g))
+        k = int(torch.randint(0, length + 1, (1,), generator=g))
+        s = torch.randn(rows, length, generator=g)
+        if kind == "ties":
+            s = torch.randint(0, 5, (rows, length), generator=g).float()
+        elif kind == "infinities":
+            s = s.masked_fill(s > 1.5, float("inf")).masked_fill(s < -1.5, float("-inf"))
+        elif kind == "huge":
+            s = s * 1e30
+        elif kind == "one-ulp apart":
+            s = 0.5 + torch.randint(0, 3, (rows, length), generator=g) * 2.0**-24  # 0.5 plus 0, 1 or 2 ulps
+        got = cpu_native.top_ascending(s.view(rows, 1, length), k).view(rows, k)
+        assert (got.diff(dim=-1) > 0).all()
+        assert torch.equal(s.gather(-1, got).sort(dim=-1, descending=True).values, s.topk(k, dim=-1).values)
+
+
+def test_top_ascending_dispatch_gives_the_same_selection_native_or_torch(monkeypatch):
+    scores = randn(2, 3, 500, seed=32).cpu()
+    calls = []
+    native = cpu_native.top_ascending
+    monkeypatch.setattr(cpu_native, "top_ascending", lambda *a: calls.append(1) or native(*a))
+    got = kernels.top_ascending(scores, 37)
+    assert calls == ([1] if cpu_native.supports_top(scores) else [])
+    torch.testing.assert_close(got, kernels.top_ascending(scores.double(), 37), rtol=0, atol=0)  # float64: torch
+
+
 def test_kernel_benchmark_script_runs_at_tiny_size(tmp_path):
     from experiments import kernel_bench
 

@@ -114,3 +114,14 @@ def page_scores(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 def quant_key_scores(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """See :func:`kvcomp.kernels.retrieval_ref.quant_key_scores`."""
     return _impl("retrieval", "quant_key_scores", q)(q, *args, **kwargs)
+
+
+def top_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices ``[..., k]`` of the ``k`` largest ``scores`` along the last dimension, in ascending order (so
+    selected tokens keep their position order): the native radix select on the CPU (float32; ties at the k-th
+    value take the lowest indices), else an unsorted ``topk`` then a sort of the ``k`` indices."""
+    from kvcomp.kernels import cpu_native
+
+    if cpu_native.supports_top(scores):
+        return cpu_native.top_ascending(scores, k)
+    return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values

@@ -668,6 +668,70 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
         }
     }
 }
+
+/* A float's bits as an unsigned key in the float order (NaN above +inf, as torch.topk ranks it). */
+static inline uint32_t order_key(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* The bin of `remaining` counted from the top of hist[0..n) (summed over its four interleaved copies), and
+   `remaining` reduced by the counts of the bins above it. */
+static inline int64_t top_bin(const int32_t (*hist)[2048], int64_t n, int64_t* remaining) {
+    int64_t b = n - 1;
+    for (; b > 0; b--) {
+        const int64_t count = (int64_t)hist[0][b] + hist[1][b] + hist[2][b] + hist[3][b];
+        if (count >= *remaining) break;
+        *remaining -= count;
+    }
+    return b;
+}
+
+/* For each of R rows of L scores: the indices of its k largest, in ascending index order (ties at the k-th
+   value: the lowest indices). A radix select finds the k-th largest key: its top 11 bits over the row (four
+   interleaved histograms, so equal bins do not chain increments), the next 11 and the last 10 over the few keys
+   sharing those top bits; then one pass writes the indices above it and the first ones equal to it, so no
+   sort is needed. 1 <= k <= L; work [R, L]. */
+void top_ascending_f32(const float* scores, int64_t* out, uint32_t* work, int64_t R, int64_t L, int64_t k,
+                       int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < R; r++) {
+        const float* row = scores + r * L;
+        uint32_t* keys = work + r * L;
+        int32_t hist[4][2048];
+        memset(hist, 0, sizeof hist);
+        int64_t i = 0;
+        for (; i + 4 <= L; i += 4)
+            for (int u = 0; u < 4; u++) {
+                keys[i + u] = order_key(row[i + u]);
+                hist[u][keys[i + u] >> 21]++;
+            }
+        for (; i < L; i++) {
+            keys[i] = order_key(row[i]);
+            hist[0][keys[i] >> 21]++;
+        }
+        int64_t remaining = k;  /* how many of the keys sharing the prefix found so far are still to take */
+        const uint32_t top = (uint32_t)top_bin(hist, 2048, &remaining);
+        /* The keys sharing the top bits, compacted to the front of this row's work (read before written). */
+        int64_t n = 0;
+        for (i = 0; i < L; i++)
+            if (keys[i] >> 21 == top) keys[n++] = keys[i];
+        memset(hist, 0, sizeof hist);
+        for (i = 0; i < n; i++) hist[i & 3][(keys[i] >> 10) & 2047]++;
+        const uint32_t mid = (uint32_t)top_bin(hist, 2048, &remaining);
+        memset(hist, 0, sizeof hist);
+        for (i = 0; i < n; i++)
+            if (((keys[i] >> 10) & 2047) == mid) hist[i & 3][keys[i] & 1023]++;
+        const uint32_t kth = top << 21 | mid << 10 | (uint32_t)top_bin(hist, 1024, &remaining);
+        int64_t* o = out + r * k;
+        int64_t m = 0;
+        for (i = 0; i < L; i++) {
+            const uint32_t key = order_key(row[i]);
+            if (key > kth || (key == kth && remaining-- > 0)) o[m++] = i;
+        }
+    }
+}
 """
 
 # Reductions vectorise with reassociation; -ffinite-math-only (part of -ffast-math) would break -inf masking.
@@ -764,6 +828,9 @@ def _compile() -> ctypes.CDLL | None:
     fn = lib.quant_key_logits_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    fn = lib.top_ascending_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn = lib.kvtc_attention_f32
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 21 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64,
@@ -939,3 +1006,27 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
         None if sinks is None else sinks.data_ptr(),
     )
     return out.reshape(b, hq, n, d)
+
+
+def supports_top(scores: torch.Tensor) -> bool:
+    """Whether :func:`top_ascending` runs these scores (float32 on the CPU, the kernel built)."""
+    return enabled() and scores.device.type == "cpu" and scores.dtype == torch.float32 and load() is not None
+
+
+def top_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices ``[..., k]`` (int64) of the ``k`` largest ``scores`` along the last dimension, ascending; ties at
+    the k-th value take the lowest indices (NaN ranks above +inf, as in ``torch.topk``). ``0 <= k <= L``."""
+    length = scores.shape[-1]
+    if not 0 <= k <= length:
+        raise ValueError(f"top_ascending: k={k} outside [0, {length}].")
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernel is unavailable; use kvcomp.kernels.top_ascending")
+    out = torch.empty(*scores.shape[:-1], k, dtype=torch.int64)
+    if k == 0 or out.numel() == 0:
+        return out
+    flat = scores.reshape(-1, length).contiguous()
+    work = torch.empty(flat.shape, dtype=torch.int32)
+    lib.top_ascending_f32(flat.data_ptr(), out.data_ptr(), work.data_ptr(), flat.shape[0], length, k,
+                             max(1, min(torch.get_num_threads(), flat.shape[0])))
+    return out
