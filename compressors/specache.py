@@ -158,22 +158,24 @@ class SpeCache(Retrieval):
         if s is None:
             return super().attend_decode(state, q, ctx, keys, values, positions, units)
         n_low = s.key_codes.shape[2] * s.key_codes.shape[3]
+        spec, path = ctx.spec, self._path(q, s)
         # Fetched tokens replace their low-bit copies: their low-bit positions become empty slots (SENTINEL,
-        # never visible under kvcomp.ops.visible); -1 units go to a spare slot.
-        low_pos = torch.cat([self._positions(state, state.n_sink, state.boundary, q),
-                             torch.zeros(b, h, 1, dtype=torch.long, device=q.device)], dim=2)
-        low_pos = low_pos.scatter(2, units.masked_fill(units < 0, n_low), SENTINEL)[:, :, :n_low]
+        # never visible under kvcomp.ops.visible); -1 units go to a spare slot. int32 for the native kernel.
+        dtype = torch.int32 if path == "native" else torch.long
+        low_pos = torch.empty(b, h, n_low + 1, dtype=dtype, device=q.device)
+        low_pos[..., :n_low] = torch.arange(state.start_pos + state.n_sink, state.start_pos + state.boundary,
+                                            dtype=dtype, device=q.device)
+        low_pos = low_pos.scatter_(2, units.masked_fill(units < 0, n_low), SENTINEL)[..., :n_low]
         k_fp = torch.cat([state.sink_k, keys, state.recent_k], dim=2)
         v_fp = torch.cat([state.sink_v, values, state.recent_v], dim=2)
         pos_fp = torch.cat([self._positions(state, 0, state.n_sink, q), positions,
                             self._positions(state, state.boundary, state.length, q)], dim=2)
-        spec, path = ctx.spec, self._path(q, s)
         if path != "torch":
             fused = cpu_native.quant_attention if path == "native" else kernels.quant_attention
             extra = {"key_logits": logits_low} if path == "native" else {}
             return fused(
                 q, ctx.query_positions, s.key_codes, s.key_scale, s.key_zero, s.value_codes, s.value_scale,
-                s.value_zero, low_pos.view(s.key_codes.shape[:4]), k_fp, v_fp, pos_fp, self.bits, ctx.scaling,
+                s.value_zero, low_pos.reshape(s.key_codes.shape[:4]), k_fp, v_fp, pos_fp, self.bits, ctx.scaling,
                 sentinel=SENTINEL, window=spec.window, softcap=spec.softcap, sinks=spec.sinks, **extra,
             ).to(q.dtype)
         hq, d = q.shape[1], q.shape[-1]
