@@ -250,8 +250,12 @@ class Retrieval(Compressor):
                 result, units = self._correct_moved(state, qg, result, spec, units, held, recall_heads)
         keys, values, index = result.keys, result.values, result.request.index
         state.fetch_bytes = _buffer_bytes(keys, values)
-        st.fetched_tokens += int((index >= 0).sum())
-        positions = torch.where(index >= 0, state.start_pos + index, SENTINEL)
+        tokens = int((index >= 0).sum()) if result.tokens is None else result.tokens
+        st.fetched_tokens += tokens
+        if tokens == index.numel():  # every slot holds a token (a synchronous fetch, mostly)
+            positions = index + state.start_pos
+        else:
+            positions = torch.where(index >= 0, state.start_pos + index, SENTINEL)
         out = self.attend_decode(state, q, ctx, keys, values, positions, units)
         st.decode_bytes += result.nbytes
         advanced = self._advance(state)
@@ -390,6 +394,8 @@ class Retrieval(Compressor):
 
     def _request(self, state: RetrievalState, units: torch.Tensor) -> FetchRequest:
         """Token indices ``[B, H, k * unit]`` of ``units`` (-1 stays -1)."""
+        if self.unit == 1:
+            return FetchRequest(state.tier, state.layer, (units + state.n_sink).masked_fill_(units < 0, -1))
         offsets = torch.arange(self.unit, device=units.device)
         tokens = state.n_sink + units.unsqueeze(-1) * self.unit + offsets
         tokens = tokens.masked_fill(units.unsqueeze(-1) < 0, -1).flatten(2)

@@ -617,6 +617,7 @@ class FetchResult:
     nbytes: int  # bytes moved from the tier
     version: int  # the layer's version when it was read
     event: Any = None  # CUDA event the consumer waits on
+    tokens: int | None = None  # entries of request.index >= 0, when known without reading it
 
 
 @dataclass
@@ -689,7 +690,7 @@ def _run_fetch(request: FetchRequest, stream, ready=None) -> FetchResult:
             k, v, wanted = request._read()
             event = None
     nbytes = 2 * wanted * k.shape[-1] * k.element_size()
-    return FetchResult(request, k, v, nbytes, version, event)
+    return FetchResult(request, k, v, nbytes, version, event, tokens=wanted)
 
 
 class Prefetcher:
