@@ -125,14 +125,15 @@ static inline void scale(float* restrict o, float a, const float* restrict x, in
     for (int64_t i = 0; i < n; i++) o[i] = a * x[i];
 }
 
-/* The values' common case, D = 64 with one scale per token (J = 1): acc[r] += sum_i p[r][i] * s[i] * code[i]
-   for up to four query rows (p rows T apart), the G tokens' codes (vc rows 64 * bits / 8 bytes apart, column
-   order of unpack16) unpacked in registers once for all rows, all sixteen accumulators in registers; the bit
-   width and the row count are constants of each inlined copy. */
+/* The values of D = 64 heads with J scales per token (vector u of a token's 64 channels within one scale's
+   channels, u < 4): acc[r][u] += sum_i p[r][i] * s[i][g(u)] * code[i][u] for up to four query rows (p rows T
+   apart), the G tokens' codes (vc rows 64 * bits / 8 bytes apart, column order of unpack16) unpacked in registers
+   once for all rows, all sixteen accumulators in registers. The bit width, J and the row count are constants of
+   each inlined copy. */
 static inline __attribute__((always_inline)) void values_d64(float* restrict acc, const float* restrict p, int64_t T,
                                                              const float* restrict s, const uint8_t* restrict vc,
-                                                             int64_t G, const int bits, const int rows) {
-    const int W = 8 * bits, chunks = W / 16, per_byte = 8 / bits;
+                                                             int64_t G, const int bits, const int J, const int rows) {
+    const int W = 8 * bits, chunks = W / 16, per_byte = 8 / bits, run = 64 / J / per_byte;
     const v16i mask = (v16i){0} + ((1 << bits) - 1);
     v16f a[4][4];
     for (int r = 0; r < rows; r++)
@@ -145,24 +146,26 @@ static inline __attribute__((always_inline)) void values_d64(float* restrict acc
             const v16i bytes = __builtin_convertvector(raw, v16i);
             for (int q = 0; q < per_byte; q++) x[q * chunks + j] = __builtin_convertvector((bytes >> (q * bits)) & mask, v16f);
         }
-        for (int r = 0; r < rows; r++) {
-            const float w = p[r * T + i] * s[i];
-            for (int u = 0; u < 4; u++) a[r][u] += w * x[u];
-        }
+        for (int r = 0; r < rows; r++)
+            for (int u = 0; u < 4; u++) a[r][u] += (p[r * T + i] * s[i * J + (u % chunks) * 16 / run]) * x[u];
     }
     for (int r = 0; r < rows; r++)
         for (int u = 0; u < 4; u++) store16(acc + r * 64 + 16 * u, a[r][u]);
 }
 
+/* values_d64 for the (bits, J) pairs whose scale groups hold whole vectors (64 / J / (8 / bits) % 16 == 0). */
 static void values_d64_rows(float* acc, const float* p, int64_t T, const float* s, const uint8_t* vc, int64_t G,
-                            int bits, int64_t rows) {
-#define ROWS(b) do { if (rows == 4) values_d64(acc, p, T, s, vc, G, b, 4); \
-                     else if (rows == 3) values_d64(acc, p, T, s, vc, G, b, 3); \
-                     else if (rows == 2) values_d64(acc, p, T, s, vc, G, b, 2); \
-                     else values_d64(acc, p, T, s, vc, G, b, 1); } while (0)
-    if (bits == 2) ROWS(2);
-    else if (bits == 4) ROWS(4);
-    else ROWS(8);
+                           int bits, int64_t J, int64_t rows) {
+#define ROWS(b, j) do { if (rows == 4) values_d64(acc, p, T, s, vc, G, b, j, 4); \
+                        else if (rows == 3) values_d64(acc, p, T, s, vc, G, b, j, 3); \
+                        else if (rows == 2) values_d64(acc, p, T, s, vc, G, b, j, 2); \
+                        else values_d64(acc, p, T, s, vc, G, b, j, 1); } while (0)
+    if (bits == 2 && J == 1) ROWS(2, 1);
+    else if (bits == 4 && J == 1) ROWS(4, 1);
+    else if (bits == 4 && J == 2) ROWS(4, 2);
+    else if (bits == 8 && J == 1) ROWS(8, 1);
+    else if (bits == 8 && J == 2) ROWS(8, 2);
+    else if (bits == 8 && J == 4) ROWS(8, 4);
 #undef ROWS
 }
 
@@ -441,19 +444,23 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                 memset(acc, 0, sizeof(float) * M * D);
                 memset(zero_acc, 0, sizeof(float) * M * J);
                 const int64_t t_end = (chunk + 1) * per_chunk * G < L ? (chunk + 1) * per_chunk * G : L;
-                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end && vector && D == 64 && J == 1; t0 += G) {
+                /* D = 64 with whole vectors per scale group: the registers' path (values_d64). */
+                const int d64 = vector && D == 64 && (J == 1 || (J == 2 && bits >= 4) || (J == 4 && bits == 8));
+                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end && d64; t0 += G) {
+                    const float* z = vz + (bh * L + t0) * J;
                     for (int64_t m = 0; m < M; m++) {
                         const float* p = lg + m * T + t0;
-                        const float* z = vz + bh * L + t0;
-                        float zsum = 0.0f;
-                        for (int64_t i = 0; i < G; i++) zsum += p[i] * z[i];
-                        zero_acc[m] += zsum;
+                        for (int64_t j = 0; j < J; j++) {
+                            float zsum = 0.0f;
+                            for (int64_t i = 0; i < G; i++) zsum += p[i] * z[i * J + j];
+                            zero_acc[m * J + j] += zsum;
+                        }
                     }
                     for (int64_t m0 = 0; m0 < M; m0 += 4)
-                        values_d64_rows(acc + m0 * D, lg + m0 * T + t0, T, vs + bh * L + t0, vc + (bh * L + t0) * W,
-                                        G, bits, M - m0 < 4 ? M - m0 : 4);
+                        values_d64_rows(acc + m0 * D, lg + m0 * T + t0, T, vs + (bh * L + t0) * J,
+                                        vc + (bh * L + t0) * W, G, bits, J, M - m0 < 4 ? M - m0 : 4);
                 }
-                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end && vector && !(D == 64 && J == 1); t0 += G) {
+                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end && vector && !d64; t0 += G) {
                     /* 16 columns per vector (each within one channel group): a group's codes are unpacked once,
                        and each row multiplies its probability by the token's group scale instead of the codes. */
                     for (int64_t t = t0; t < t0 + G; t++)
