@@ -224,7 +224,8 @@ class Tier:
                     out.view(-1, *shape[3:])[keep] = rows.index_select(0, flat[keep])
                     wanted = keep.numel()
             self.bytes_read += wanted * slot.data[0, 0, 0].numel() * out.element_size()
-            self._drop_pages(layer)
+            if wanted:  # nothing read, nothing made resident
+                self._drop_pages(layer)
         out = self._to(out, device, non_blocking)
         return out[..., 0, :], out[..., 1, :]
 
