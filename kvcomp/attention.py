@@ -217,11 +217,22 @@ class KVCompMask:
     padding: torch.Tensor | None  # [B, seen + q] bool, True for real tokens, or None
     q_length: int
     sdpa_args: dict[str, Any] = field(default_factory=dict)
+    _block: tuple | None = field(default=None, repr=False, compare=False)  # see block()
 
     def new_token_valid(self, batch: int, device) -> torch.Tensor:
         if self.padding is None:
             return torch.ones(batch, self.q_length, dtype=torch.bool, device=device)
         return self.padding[:, -self.q_length :].to(device)
+
+    def block(self, batch: int, n: int, device, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(valid, position_ids)`` ``[B, n]`` of the forward's new tokens, the same two tensors for every layer
+        of the forward (the mask lives for one forward), so per-block terms are computed once
+        (:meth:`kvcomp.cache.CompressedCache.block_terms`)."""
+        memo, shape = self._block, (batch, n, torch.device(device))
+        if memo is None or memo[0] is not position_ids or memo[1] != shape:
+            memo = self._block = (position_ids, shape, self.new_token_valid(batch, device),
+                                  position_ids.expand(batch, n).long())
+        return memo[2], memo[3]
 
     def standard(self, implementation: str = "sdpa", dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """The mask transformers' own ``implementation`` would have got (every argument it was built with, the
@@ -292,17 +303,17 @@ def kvcomp_attention(module, query, key, value, attention_mask, scaling=None, dr
                                    **kwargs)
     check_call(module, layer.spec, scaling, dict(kwargs, dropout=dropout))
     b, _, n, _ = query.shape
-    valid = (
-        attention_mask.new_token_valid(b, query.device)
-        if isinstance(attention_mask, KVCompMask)
-        else torch.ones(b, n, dtype=torch.bool, device=query.device)
-    )
     # Known on the host without reading a tensor: the mask function found no padding, so every token is real.
     all_real = not (isinstance(attention_mask, KVCompMask) and attention_mask.padding is not None)
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(n, device=query.device).view(1, n) + layer.next_position.view(-1, 1)
-    position_ids = position_ids.expand(b, n).long()
+    given = kwargs.get("position_ids")
+    if isinstance(attention_mask, KVCompMask) and given is not None:
+        valid, position_ids = attention_mask.block(b, n, query.device, given)
+    else:
+        valid = (attention_mask.new_token_valid(b, query.device) if isinstance(attention_mask, KVCompMask)
+                 else torch.ones(b, n, dtype=torch.bool, device=query.device))
+        if given is None:
+            given = torch.arange(n, device=query.device).view(1, n) + layer.next_position.view(-1, 1)
+        position_ids = given.expand(b, n).long()
     out = layer.forward(query, position_ids, valid, all_real)
     return out.transpose(1, 2).contiguous(), None
 

@@ -172,8 +172,9 @@ class CompressedLayer(CacheLayerMixin):
                 all_real: bool = False) -> LayerContext:
         """Count the block's tokens and describe them to the compressor."""
         b, hkv, n, _ = k.shape
+        positions, count, following = self.owner.block_terms(position_ids, valid)
         before = host.known_values(self.seen)
-        self.seen = self.seen + valid.sum(1)
+        self.seen = self.seen + count
         # Kept on the host as well, so that a decode step's budgets read nothing back (kvcomp.host): counted when
         # the block has no padding, read once otherwise (a padded block; the first block after a context was
         # loaded or replayed).
@@ -181,8 +182,7 @@ class CompressedLayer(CacheLayerMixin):
             host.known(self.seen, (s + n for s in before))
         else:
             host.known(self.seen, self.seen.tolist())
-        positions = torch.where(valid, position_ids, SENTINEL)
-        self.next_position = torch.maximum(self.next_position, (positions.masked_fill(~valid, -1).amax(1) + 1))
+        self.next_position = torch.maximum(self.next_position, following)
         return LayerContext(
             layer=self.layer_idx,
             positions=positions.view(b, 1, n).expand(b, hkv, n),
@@ -256,6 +256,7 @@ class CompressedCache(Cache):
         self._model = weakref.ref(model)
         self.block_ids: torch.Tensor | None = None  # input ids of the forward now running (see attention.install)
         self._prefill_contexts: dict[int, LayerContext] = {}
+        self._block_memo: tuple | None = None  # (position_ids, valid, their terms): see block_terms
         if isinstance(question_length, int):
             question_length = [question_length]
         if question_length is not None:
@@ -276,6 +277,19 @@ class CompressedCache(Cache):
     def model(self):
         """The model this cache serves."""
         return self._model()
+
+    def block_terms(self, position_ids: torch.Tensor, valid: torch.Tensor):
+        """``(positions, count, following)`` of a block (``position_ids``, ``valid`` ``[B, n]``): positions with
+        SENTINEL for padding, real tokens per row, and the position after the row's last real token (-1 + 1 for
+        a row of padding). Every layer of a forward gets the same two tensors (kvcomp.attention), so they are
+        computed once per forward, not once per layer."""
+        memo = self._block_memo
+        if memo is not None and memo[0] is position_ids and memo[1] is valid:
+            return memo[2]
+        positions = torch.where(valid, position_ids, SENTINEL)
+        terms = (positions, valid.sum(1), positions.masked_fill(~valid, -1).amax(1) + 1)
+        self._block_memo = (position_ids, valid, terms)  # holding the keys keeps their ids from being reused
+        return terms
 
     def layer_built(self, layer: CompressedLayer, ctx: LayerContext) -> None:
         """A layer's state was built from the prefill; once all are, the compressor's ``after_prefill`` runs."""

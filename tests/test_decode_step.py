@@ -63,17 +63,46 @@ def tiny_llama(layers: int):
     return LlamaForCausalLM(config).eval()
 
 
+class CallsFrom(TorchFunctionMode):
+    """Counts torch functions called from the given files of kvcomp, by name."""
+
+    def __init__(self, *files: str):
+        super().__init__()
+        self.files = tuple(str(ROOT / "kvcomp" / f) for f in files)
+        self.where: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if sys._getframe(1).f_code.co_filename in self.files:
+            self.where[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
 @torch.inference_mode()
-def reads_in_a_decode_step(model, compressor, warm: int = 3) -> Counter[str]:
+def reads_in_a_decode_step(model, compressor, warm: int = 3, mode=HostReads) -> Counter[str]:
     cache = CompressedCache(model, compressor)
     rows = steps.Rows(1, "cpu")
     ids = torch.randint(3, 120, (1, 120), generator=torch.Generator().manual_seed(1))
     token = steps.prefill(model, cache, ids, rows).argmax(-1)
     for _ in range(warm):  # the first steps check a store once (then it is known to hold no empty slot)
         token = steps.decode_one(model, cache, token, rows).argmax(-1)
-    with HostReads() as reads:
+    with mode() as reads:
         steps.decode_one(model, cache, token, rows)
     return reads.where
+
+
+def test_a_forward_derives_its_positions_once_not_per_layer():
+    """The new tokens' validity, positions and counts are the same for every layer of a forward: kvcomp's
+    attention and cache derive them in the first layer only (the per-layer ops that remain: the layer's own
+    running counts and next position)."""
+    def calls(layers):
+        return reads_in_a_decode_step(tiny_llama(layers), WindowStore(),
+                                      mode=lambda: CallsFrom("attention.py", "cache.py"))
+
+    two, four = calls(2), calls(4)
+    per_layer = {f: (four[f] - two[f]) // 2 for f in four if four[f] != two[f]}
+    assert sum(two.values()) > 0  # the counter sees these files' calls
+    assert not {f: n for f, n in per_layer.items() if f in ("where", "amax", "sum", "ones", "long", "masked_fill")}, (
+        per_layer)
 
 
 @pytest.mark.parametrize("name", ["none-kvcomp", *SYNC_FREE])
