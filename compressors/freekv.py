@@ -9,8 +9,9 @@ the budget and the speculative prefetch with its cosine correction). Resident su
 ``page_size`` tokens, the per-channel minimum and maximum of the keys, ``key_min``/``key_max``
 ``[B, H_kv, P, D]`` in the model dtype — ``2 * D * itemsize`` bytes per page and KV head, 1/``page_size``
 of the keys. A page's score for query ``q`` is Quest's upper bound of ``q . k`` over its keys,
-``sum_d max(q_d * min_d, q_d * max_d)``, maximized over the KV head's query group; each step the top-k pages
-per KV head are fetched whole and attention runs over sinks + fetched pages + recent window.
+``sum_d max(q_d * min_d, q_d * max_d)``, maximized over the KV head's query group
+(:func:`kvcomp.kernels.page_scores`: torch on the CPU, Triton on CUDA); each step the top-k pages per KV head are
+fetched whole and attention runs over sinks + fetched pages + recent window.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomp import validation
+from kvcomp import kernels, validation
 from kvcomp.retrieval import Retrieval, RetrievalState
 
 
@@ -58,8 +59,7 @@ class FreeKV(Retrieval):
         return [] if summary is None else [summary.key_min, summary.key_max]
 
     def score(self, state: RetrievalState, qg: torch.Tensor, scaling: float) -> torch.Tensor:
-        # qg: [B, H, G, D]; digests [B, H, P, D] -> [B, H, P]
+        # qg: [B, H, G, D]; digests [B, H, P, D] -> [B, H, P] float32: Quest's bound, maximized over the group
+        b, h, g, d = qg.shape
         digest = state.summary
-        q = qg.unsqueeze(3).to(digest.key_min.dtype)  # [B, H, G, 1, D]
-        bound = torch.maximum(q * digest.key_min.unsqueeze(2), q * digest.key_max.unsqueeze(2)).sum(-1)
-        return bound.amax(2)
+        return kernels.page_scores(qg.reshape(b, h * g, 1, d), digest.key_max, digest.key_min, "max")
