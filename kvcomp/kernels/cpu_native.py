@@ -125,47 +125,59 @@ static inline void scale(float* restrict o, float a, const float* restrict x, in
     for (int64_t i = 0; i < n; i++) o[i] = a * x[i];
 }
 
-/* The values of D = 64 heads with J scales per token (vector u of a token's 64 channels within one scale's
-   channels, u < 4): acc[r][u] += sum_i p[r][i] * s[i][g(u)] * code[i][u] for up to four query rows (p rows T
-   apart), the G tokens' codes (vc rows 64 * bits / 8 bytes apart, column order of unpack16) unpacked in registers
-   once for all rows, all sixteen accumulators in registers. The bit width, J and the row count are constants of
-   each inlined copy. */
-static inline __attribute__((always_inline)) void values_d64(float* restrict acc, const float* restrict p, int64_t T,
-                                                             const float* restrict s, const uint8_t* restrict vc,
-                                                             int64_t G, const int bits, const int J, const int rows) {
-    const int W = 8 * bits, chunks = W / 16, per_byte = 8 / bits, run = 64 / J / per_byte;
+/* The values of one group of G tokens for up to four query rows: acc[r][c] += sum_i p[r][i] * s[i][g(c)] *
+   code[i][c] (p rows T apart, acc rows D apart; c in the column order of unpack16, g(c) its value scale of J
+   per token), 64 columns at a time: the tokens' codes unpacked in registers once for all rows, the sixteen
+   accumulators in registers. D, the bit width, J and the row count are constants of each inlined copy; every
+   16-column vector lies within one scale's channels (D / J / (8 / bits) % 16 == 0). */
+static inline __attribute__((always_inline)) void values_rows(float* restrict acc, const float* restrict p, int64_t T,
+                                                              const float* restrict s, const uint8_t* restrict vc,
+                                                              int64_t G, const int D, const int bits, const int J,
+                                                              const int rows) {
+    const int W = D * bits / 8, chunks = W / 16, per_byte = 8 / bits, run = D / J / per_byte;
     const v16i mask = (v16i){0} + ((1 << bits) - 1);
-    v16f a[4][4];
-    for (int r = 0; r < rows; r++)
-        for (int u = 0; u < 4; u++) a[r][u] = load16(acc + r * 64 + 16 * u);
-    for (int64_t i = 0; i < G; i++) {
-        v16f x[4];
-        for (int j = 0; j < chunks; j++) {
-            v16b raw;
-            memcpy(&raw, vc + i * W + 16 * j, 16);
-            const v16i bytes = __builtin_convertvector(raw, v16i);
-            for (int q = 0; q < per_byte; q++) x[q * chunks + j] = __builtin_convertvector((bytes >> (q * bits)) & mask, v16f);
+    for (int block = 0; block < D / 64; block++) {
+        v16f a[4][4];
+        for (int r = 0; r < rows; r++)
+            for (int u = 0; u < 4; u++) a[r][u] = load16(acc + r * D + 64 * block + 16 * u);
+        for (int64_t i = 0; i < G; i++) {
+            v16f x[4];
+            for (int u = 0; u < 4; u++) {  /* vector 4 block + u: bytes 16 j.., code plane q */
+                const int j = (4 * block + u) % chunks, q = (4 * block + u) / chunks;
+                v16b raw;
+                memcpy(&raw, vc + i * W + 16 * j, 16);
+                x[u] = __builtin_convertvector((__builtin_convertvector(raw, v16i) >> (q * bits)) & mask, v16f);
+            }
+            for (int r = 0; r < rows; r++)
+                for (int u = 0; u < 4; u++)
+                    a[r][u] += (p[r * T + i] * s[i * J + ((4 * block + u) % chunks) * 16 / run]) * x[u];
         }
         for (int r = 0; r < rows; r++)
-            for (int u = 0; u < 4; u++) a[r][u] += (p[r * T + i] * s[i * J + (u % chunks) * 16 / run]) * x[u];
+            for (int u = 0; u < 4; u++) store16(acc + r * D + 64 * block + 16 * u, a[r][u]);
     }
-    for (int r = 0; r < rows; r++)
-        for (int u = 0; u < 4; u++) store16(acc + r * 64 + 16 * u, a[r][u]);
 }
 
-/* values_d64 for the (bits, J) pairs whose scale groups hold whole vectors (64 / J / (8 / bits) % 16 == 0). */
-static void values_d64_rows(float* acc, const float* p, int64_t T, const float* s, const uint8_t* vc, int64_t G,
-                           int bits, int64_t J, int64_t rows) {
-#define ROWS(b, j) do { if (rows == 4) values_d64(acc, p, T, s, vc, G, b, j, 4); \
-                        else if (rows == 3) values_d64(acc, p, T, s, vc, G, b, j, 3); \
-                        else if (rows == 2) values_d64(acc, p, T, s, vc, G, b, j, 2); \
-                        else values_d64(acc, p, T, s, vc, G, b, j, 1); } while (0)
-    if (bits == 2 && J == 1) ROWS(2, 1);
-    else if (bits == 4 && J == 1) ROWS(4, 1);
-    else if (bits == 4 && J == 2) ROWS(4, 2);
-    else if (bits == 8 && J == 1) ROWS(8, 1);
-    else if (bits == 8 && J == 2) ROWS(8, 2);
-    else if (bits == 8 && J == 4) ROWS(8, 4);
+/* Which (D, bits, J) values_rows has a copy for: D = 64 with one scale per token (SpeCache's copy), one per 32
+   channels (the quant compressor's default) or, at 8 bits, one per 16. At D = 128 and 256 the buffered path
+   below measured as fast or faster (Gemma 3 270M's shape: one KV head, four query rows), so it keeps them. */
+static int register_values(int64_t D, int bits, int64_t J) {
+    return D == 64 && ((J == 1 && (bits == 2 || bits == 4 || bits == 8)) || (J == 2 && (bits == 4 || bits == 8))
+                       || (J == 4 && bits == 8));
+}
+
+static void values_dispatch(float* acc, const float* p, int64_t T, const float* s, const uint8_t* vc, int64_t G,
+                            int64_t D, int bits, int64_t J, int64_t rows) {
+#define ROWS(d, b, j) do { if (rows == 4) values_rows(acc, p, T, s, vc, G, d, b, j, 4); \
+                           else if (rows == 3) values_rows(acc, p, T, s, vc, G, d, b, j, 3); \
+                           else if (rows == 2) values_rows(acc, p, T, s, vc, G, d, b, j, 2); \
+                           else values_rows(acc, p, T, s, vc, G, d, b, j, 1); } while (0)
+    (void)D;  /* 64: see register_values */
+    if (J == 1 && bits == 2) ROWS(64, 2, 1);
+    else if (J == 1 && bits == 4) ROWS(64, 4, 1);
+    else if (J == 1) ROWS(64, 8, 1);
+    else if (J == 2 && bits == 4) ROWS(64, 4, 2);
+    else if (J == 2) ROWS(64, 8, 2);
+    else ROWS(64, 8, 4);
 #undef ROWS
 }
 
@@ -444,9 +456,9 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                 memset(acc, 0, sizeof(float) * M * D);
                 memset(zero_acc, 0, sizeof(float) * M * J);
                 const int64_t t_end = (chunk + 1) * per_chunk * G < L ? (chunk + 1) * per_chunk * G : L;
-                /* D = 64 with whole vectors per scale group: the registers' path (values_d64). */
-                const int d64 = vector && D == 64 && (J == 1 || (J == 2 && bits >= 4) || (J == 4 && bits == 8));
-                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end && d64; t0 += G) {
+                /* The registers' path where values_rows has a copy for this head dim, width and J. */
+                const int regs = vector && register_values(D, bits, J);
+                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end && regs; t0 += G) {
                     const float* z = vz + (bh * L + t0) * J;
                     for (int64_t m = 0; m < M; m++) {
                         const float* p = lg + m * T + t0;
@@ -457,10 +469,10 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                         }
                     }
                     for (int64_t m0 = 0; m0 < M; m0 += 4)
-                        values_d64_rows(acc + m0 * D, lg + m0 * T + t0, T, vs + (bh * L + t0) * J,
-                                        vc + (bh * L + t0) * W, G, bits, J, M - m0 < 4 ? M - m0 : 4);
+                        values_dispatch(acc + m0 * D, lg + m0 * T + t0, T, vs + (bh * L + t0) * J,
+                                        vc + (bh * L + t0) * W, G, D, bits, J, M - m0 < 4 ? M - m0 : 4);
                 }
-                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end && vector && !d64; t0 += G) {
+                for (int64_t t0 = chunk * per_chunk * G; t0 < t_end && vector && !regs; t0 += G) {
                     /* 16 columns per vector (each within one channel group): a group's codes are unpacked once,
                        and each row multiplies its probability by the token's group scale instead of the codes. */
                     for (int64_t t = t0; t < t0 + G; t++)
