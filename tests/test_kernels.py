@@ -372,13 +372,17 @@ def test_native_top_ascending_keeps_the_k_largest_in_order(kind):
 
 
 def test_top_ascending_dispatch_gives_the_same_selection_native_or_torch(monkeypatch):
-    scores = randn(2, 3, 500, seed=32).cpu()
+    """Long float32 rows go to the native select, short ones and other dtypes to topk + sort: same indices."""
+    scores = randn(2, 3, kernels.NATIVE_TOP_MIN, seed=32).cpu()
     calls = []
     native = cpu_native.top_ascending
     monkeypatch.setattr(cpu_native, "top_ascending", lambda *a: calls.append(1) or native(*a))
     got = kernels.top_ascending(scores, 37)
     assert calls == ([1] if cpu_native.supports_top(scores) else [])
     torch.testing.assert_close(got, kernels.top_ascending(scores.double(), 37), rtol=0, atol=0)  # float64: torch
+    short = scores[..., : kernels.NATIVE_TOP_MIN - 1]
+    torch.testing.assert_close(kernels.top_ascending(short, 37), native(short, 37), rtol=0, atol=0)
+    assert len(calls) == 1  # the short rows did not go native
 
 
 def test_kernel_benchmark_script_runs_at_tiny_size(tmp_path):
