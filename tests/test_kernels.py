@@ -7,6 +7,7 @@ several sequence splits, GQA ratios 1, 3 and 4.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -395,6 +396,27 @@ def test_kernel_benchmark_script_runs_at_tiny_size(tmp_path):
     kinds = {row["kernel"] for row in result["rows"]}
     assert kinds == {"quant4-ieee", "quant4-tf32", "sparse-1/4", "dense-sdpa-bf16", "key-scores2", "page-scores"}
     assert all(row["max_abs_err"] < 0.05 and row["gb_s"] > 0 for row in result["rows"])
+
+
+def test_native_kernel_ab_times_both_checkouts_on_the_same_results(tmp_path):
+    """The A/B script against a checkout whose kernel lacks top_ascending (it times topk + sort there), at a
+    tiny size; a path that is no checkout is refused by name."""
+    from experiments import native_kernel_ab
+
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    base = tmp_path / "base" / "kvcomp" / "kernels"
+    base.mkdir(parents=True)
+    source = Path(cpu_native.__file__).read_text()
+    (base / "cpu_native.py").write_text(source.replace("def top_ascending(", "def _no_top_ascending("))
+    result = native_kernel_ab.main(["--base", str(tmp_path / "base"), "--contexts", "256", "--rounds", "1",
+                                    "--calls", "2", "--out", str(tmp_path / "out")])
+    times = result["contexts"][256]
+    assert set(times) == {"quant_attention 2-bit", "quant_attention 4-bit", "quant_key_logits 2-bit", "top-k ascending"}
+    assert all(len(t["this"]) == len(t["base"]) == 1 and min(t["this"] + t["base"]) > 0 for t in times.values())
+    assert (tmp_path / "out" / "native_kernel_ab.json").is_file()
+    with pytest.raises(SystemExit, match="not a kvcomp checkout"):
+        native_kernel_ab.main(["--base", str(tmp_path), "--out", str(tmp_path / "out")])
 
 
 def test_forcing_triton_without_cuda_or_interpreter_is_a_clear_error(monkeypatch):
