@@ -10,7 +10,11 @@ in the load changes of a shared machine. This times the kernels alone on the emb
   computing its own logits, 128 residual tokens;
 * ``quant_key_logits 2-bit``: SpeCache's scoring pass;
 * ``top-k ascending``: retrieval's per-head selection of k = L / 32 of L scores in ascending order
-  (``top_ascending`` where the checkout has it, otherwise what retrieval did: ``topk`` then a sort).
+  (``top_ascending`` where the checkout has it, otherwise what retrieval did: ``topk`` then a sort);
+* ``decode attention`` and ``decode attention + weights``: one decode query per head over a token-selection
+  store's float keys and values (views of buffers with spare slots), without and with the probabilities TOVA
+  and H2O observe (``decode_attention`` where the checkout has it, otherwise what ``dense_attention`` did:
+  sdpa, or a matmul, softmax and matmul).
 
 Each side compiles its own copy of ``kvcomp/kernels/cpu_native.py``'s source; the sides alternate in every
 round, so load changes hit both. Prints min-max microseconds per call and writes ``native_kernel_ab.json``::
@@ -66,6 +70,10 @@ def cases(length: int, seed: int = 0) -> dict[str, dict]:
         out[name] = dict(args=(q, torch.tensor([[length + residual]]), kc, ks, kz, vc, vs, vz, positions.contiguous(),
                                rk, rv, rpos.contiguous(), bits, HEAD_DIM**-0.5))
     out["scores"] = dict(scores=randn(1, HEADS, length), k=max(1, length // 32))
+    spare = length // 128
+    out["dense"] = dict(q=q.view(1, HEADS, QUERY_HEADS // HEADS, HEAD_DIM),
+                        k=randn(1, HEADS, length + spare, HEAD_DIM)[:, :, :length],
+                        v=randn(1, HEADS, length + spare, HEAD_DIM)[:, :, :length])
     return out
 
 
@@ -80,7 +88,21 @@ def operations(native, inputs: dict) -> dict:
     else:
         def top():
             return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    dq, dk, dv, scale = inputs["dense"]["q"], inputs["dense"]["k"], inputs["dense"]["v"], HEAD_DIM**-0.5
+    if hasattr(native, "decode_attention"):
+        def dense():
+            return native.decode_attention(dq, dk, dv, scale)[0]
+
+        dense_weights = dense
+    else:
+        def dense():
+            return torch.nn.functional.scaled_dot_product_attention(dq, dk, dv, scale=scale)
+
+        def dense_weights():
+            return torch.matmul((torch.matmul(dq, dk.transpose(-1, -2)) * scale).softmax(-1), dv)
     return {
+        "decode attention": dense,
+        "decode attention + weights": dense_weights,
         "quant_attention 2-bit": lambda: native.quant_attention(*two, key_logits=logits),
         "quant_attention 4-bit": lambda: native.quant_attention(*four),
         "quant_key_logits 2-bit": lambda: native.quant_key_logits(two[0], two[2], two[3], two[4], 2, two[13]),

@@ -143,6 +143,13 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     b, hq, n, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
+    from kvcomp.kernels import cpu_native  # (kvcomp.files, which it imports, imports this module)
+
+    if n == 1 and all_visible and length and cpu_native.supports_decode(q, k, v):
+        # One pass over the keys and one over the values (sdpa, or a matmul, softmax and matmul, take more).
+        out, probs = cpu_native.decode_attention(q.reshape(b, hkv, g, d), k, v, spec.scaling, spec.softcap,
+                                                 spec.grouped_sinks(hkv, 1, q.device))
+        return out.reshape(b, hq, n, d), (probs.view(b, hkv, g, 1, length) if need_weights else None)
     if spec.plain and not need_weights and length:
         # Decode (n == 1) with every stored key visible, and an unpadded causal prefill, need no mask.
         if n == 1:

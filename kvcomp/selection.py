@@ -24,6 +24,7 @@ import torch
 
 from kvcomp import host, validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext, clone_state
+from kvcomp.kernels import cpu_native
 from kvcomp.ops import dense_attention, horizon, take_slots
 from kvcomp.ragged import RaggedStore, ragged_attention
 
@@ -245,10 +246,29 @@ def drop_lowest(store: TokenStore, scores: torch.Tensor) -> TokenStore:
     slot earlier, a view of the same tensors (no copy; its slots are then no longer in position order, which
     nothing reads on a full-attention layer: attention, scores and budgets go by positions). Any other store
     is copied without the evicted slot, in position order."""
+    if getattr(store, "_owned", False) and (moved := _evict_in_place_native(store, scores)) is not None:
+        return moved
     ranked = scores.float().nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
     lowest = ranked == ranked.amin(-1, keepdim=True)
     drop = torch.where(lowest, store.positions, SENTINEL).argmin(-1, keepdim=True)  # [B, H_kv, 1]: the oldest
     return (_evict_in_place if getattr(store, "_owned", False) else _evict_by_copy)(store, drop)
+
+
+def _evict_in_place_native(store: TokenStore, scores: torch.Tensor) -> TokenStore | None:
+    """:func:`_evict_in_place` of the lowest slots in one native call (the argmin and the moves), for a store
+    whose per-slot tensors are all its own or its buffers' (no statistic to copy); None when it cannot."""
+    live = store.live_buffers()
+    buffers = live if live is not None else (store.keys, store.values, store.positions, None, None)  # its own
+    held = [(t, buf) for t, buf in zip(store.slot_tensors(), buffers) if t is not None]
+    if any(buf is None for _, buf in held):  # a statistic that is neither (_evict_in_place copies it)
+        return None
+    if cpu_native.evict_lowest(scores.float(), store.positions, [t for t, _ in held]) is None:
+        return None
+    last = store.positions.shape[-1] - 1
+    out = TokenStore(*(None if t is None else t.narrow(2, 0, last) for t in store.slot_tensors()), store.extra,
+                     all_real=True)
+    out._buffers, out._start = buffers, store._start if live is not None else 0
+    return out
 
 
 def _evict_by_copy(store: TokenStore, drop: torch.Tensor) -> TokenStore:

@@ -273,6 +273,50 @@ def test_dropping_one_token_per_head_keeps_what_the_general_top_k_keeps(seed):
     assert not (fast.positions[0, (seed + 1) % 3] == 20).any()
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("stats", [False, True])
+def test_native_in_place_eviction_moves_what_the_torch_path_moves(seed, stats, monkeypatch):
+    """The native in-place eviction (argmin and moves in one call) against torch's (KVCOMP_NATIVE=0), step after
+    step of appends and evictions on a growable store, with ties, NaN and infinite scores: the same tensors bit
+    for bit, still views of the same buffers. With per-slot statistics (H2O's scores as a buffer view, an
+    InertiaKV-like aux replaced since) both move or copy them alike."""
+    from kvcomp import selection
+    from kvcomp.kernels import cpu_native
+
+    moved = []
+    evict = cpu_native.evict_lowest
+    monkeypatch.setattr(cpu_native, "evict_lowest", lambda *a: moved.append(evict(*a)) or moved[-1])
+    g = torch.Generator().manual_seed(seed)
+    stores = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("KVCOMP_NATIVE", native)
+        store = _store(300, seed=seed)
+        if stats:
+            store = store.replace(scores=torch.rand(2, 3, 300, generator=torch.Generator().manual_seed(seed)))
+        g.manual_seed(seed)
+        for step in range(12):
+            new = _store(1, 300 + step, seed=100 + step)
+            if stats:
+                new = new.replace(scores=torch.ones(2, 3, 1))
+            store = store.extend(new)
+            store._owned = True
+            if stats and step % 3 == 2:  # a statistic that is no longer a buffer's view
+                store.aux = torch.rand(2, 3, store.keys.shape[2], generator=g)
+            scores = torch.randint(0, 4, (2, 3, store.keys.shape[2]), generator=g).float()
+            scores[0, step % 3, step] = float("nan")
+            scores[1, (step + 1) % 3, :5] = float("-inf") if step % 2 else float("inf")
+            buffer = store.live_buffers()[0]
+            store = selection.drop_lowest(store, scores)
+            assert store.keys.shape[2] == 300 and store.all_real
+            assert store.live_buffers() is None or store.live_buffers()[0] is buffer
+        stores.append(store)
+    if cpu_native.load() is not None:  # steps without a replaced statistic went native
+        assert sum(m is not None for m in moved) == (8 if stats else 12)
+    native, torch_path = stores
+    for a, b in zip(native.slot_tensors(), torch_path.slot_tensors()):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_ties_drop_the_oldest_token():
     from kvcomp import selection
 
@@ -282,9 +326,12 @@ def test_ties_drop_the_oldest_token():
 
 
 @pytest.mark.parametrize("spec", ["plain", "softcap", "sinks"])
-def test_all_visible_decode_attention_with_weights_equals_the_masked_path(spec):
+def test_all_visible_decode_attention_with_weights_equals_the_masked_path(spec, monkeypatch):
     """A decode query over an unpadded full-attention store builds no mask, also when the weights are asked
-    (TOVA, H2O) or the layer soft-caps or has sinks: output and weights bit-identical to the masked path."""
+    (TOVA, H2O) or the layer soft-caps or has sinks: it takes the native kernel (float32 on the CPU), whose
+    output and weights equal the masked path's up to the order of its sums; without it (KVCOMP_NATIVE=0), torch's
+    unmasked path is bit-identical to the masked one."""
+    from kvcomp.kernels import cpu_native
     from kvcomp.ops import AttentionSpec, dense_attention
 
     torch.manual_seed(0)
@@ -294,8 +341,18 @@ def test_all_visible_decode_attention_with_weights_equals_the_masked_path(spec):
     q, k, v = torch.randn(b, hkv * g, 1, d), torch.randn(b, hkv, length, d), torch.randn(b, hkv, length, d)
     k_pos = torch.randperm(length).to(torch.int32).expand(b, hkv, length)  # slots in any order
     q_pos = torch.full((b, 1), length)
-    for need in (False, True):
-        fast, fast_w = dense_attention(q, k, v, q_pos, k_pos, spec, need, all_visible=True)
-        masked, masked_w = dense_attention(q, k, v, q_pos, k_pos, spec, need)
-        assert torch.equal(fast, masked)
-        assert (fast_w is None and masked_w is None) or torch.equal(fast_w, masked_w)
+    calls = []
+    native = cpu_native.decode_attention
+    monkeypatch.setattr(cpu_native, "decode_attention", lambda *a: calls.append(1) or native(*a))
+    for use_native in ("1", "0"):
+        monkeypatch.setenv("KVCOMP_NATIVE", use_native)
+        for need in (False, True):
+            fast, fast_w = dense_attention(q, k, v, q_pos, k_pos, spec, need, all_visible=True)
+            masked, masked_w = dense_attention(q, k, v, q_pos, k_pos, spec, need)
+            assert (fast_w is None) == (masked_w is None) == (not need)
+            if use_native == "1":
+                torch.testing.assert_close(fast, masked, rtol=1e-5, atol=1e-6)
+                assert fast_w is None or torch.allclose(fast_w, masked_w, rtol=1e-5, atol=1e-7)
+            else:
+                assert torch.equal(fast, masked) and (fast_w is None or torch.equal(fast_w, masked_w))
+    assert len(calls) == (2 if cpu_native.load() is not None else 0)  # the all-visible calls with the kernel on

@@ -15,7 +15,7 @@ import torch
 from kvcomp import kernels
 from kvcomp.compressor import SENTINEL
 from kvcomp.kernels import cpu_native, quant_cpu, quant_ref, retrieval_ref, sparse_ref
-from kvcomp.ops import AttentionSpec, dense_attention
+from kvcomp.ops import AttentionSpec, dense_attention, softcap, softmax
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -386,6 +386,51 @@ def test_top_ascending_dispatch_gives_the_same_selection_native_or_torch(monkeyp
     assert len(calls) == 1  # the short rows did not go native
 
 
+# -- float decode attention ------------------------------------------------------------------------------------
+def _decode_reference(qg, k, v, spec):
+    """The layer's attention (kvcomp.ops: scale, soft-cap, softmax with sinks) in float64."""
+    sinks = spec.grouped_sinks(k.shape[1], 1)
+    logits = softcap(torch.matmul(qg.double(), k.double().transpose(-1, -2)) * spec.scaling, spec.softcap)
+    probs = softmax(logits, None if sinks is None else sinks.double())
+    return torch.matmul(probs, v.double()), probs
+
+
+@pytest.mark.parametrize("length", [1, 255, 256, 257, 1000])
+@pytest.mark.parametrize("rows,d,cap,sinks", [(3, 64, None, False), (1, 24, None, False), (5, 64, 5.0, True)])
+def test_native_decode_attention_matches_reference_on_store_views(length, rows, d, cap, sinks):
+    """Keys and values as a growable store holds them (views of buffers with spare slots, so batch and head
+    strides are not those of a contiguous tensor); soft-capping and sinks as the layer applies them."""
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    b, h = 2, 3
+    buf_k, buf_v = randn(b, h, length + 9, d, seed=40).cpu(), randn(b, h, length + 9, d, seed=41).cpu()
+    k, v = buf_k[:, :, 4:4 + length], buf_v[:, :, 4:4 + length]
+    qg = randn(b, h, rows, d, seed=42).cpu() * 2
+    spec = AttentionSpec(scaling=d ** -0.5, softcap=cap,
+                         sinks=randn(h * rows, seed=43).cpu() if sinks else None)
+    assert cpu_native.supports_decode(qg, k, v) and not k.is_contiguous()
+    out, probs = cpu_native.decode_attention(qg, k, v, spec.scaling, spec.softcap, spec.grouped_sinks(h, 1))
+    ref_out, ref_probs = _decode_reference(qg, k, v, spec)
+    torch.testing.assert_close(probs.double(), ref_probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_attention_row_is_the_same_alone_in_a_batch_and_on_any_thread_count():
+    """Bit for bit: its work items (KV head x 256-token chunk) do not depend on the batch or the threads."""
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    k, v, qg = randn(3, 3, 700, 64, seed=44).cpu(), randn(3, 3, 700, 64, seed=45).cpu(), randn(3, 3, 3, 64, seed=46).cpu()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = cpu_native.decode_attention(qg, k, v, 0.125)
+        torch.set_num_threads(1)
+        alone = cpu_native.decode_attention(qg[1:2], k[1:2], v[1:2], 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch[0][1:2], alone[0]) and torch.equal(batch[1][1:2], alone[1])
+
+
 def test_kernel_benchmark_script_runs_at_tiny_size(tmp_path):
     from experiments import kernel_bench
 
@@ -399,8 +444,9 @@ def test_kernel_benchmark_script_runs_at_tiny_size(tmp_path):
 
 
 def test_native_kernel_ab_times_both_checkouts_on_the_same_results(tmp_path):
-    """The A/B script against a checkout whose kernel lacks top_ascending (it times topk + sort there), at a
-    tiny size; a path that is no checkout is refused by name."""
+    """The A/B script against a checkout whose kernel lacks top_ascending and decode_attention (it times topk +
+    sort, and sdpa or matmul-softmax-matmul there), at a tiny size; a path that is no checkout is refused by
+    name."""
     from experiments import native_kernel_ab
 
     if cpu_native.load() is None:
@@ -408,11 +454,13 @@ def test_native_kernel_ab_times_both_checkouts_on_the_same_results(tmp_path):
     base = tmp_path / "base" / "kvcomp" / "kernels"
     base.mkdir(parents=True)
     source = Path(cpu_native.__file__).read_text()
-    (base / "cpu_native.py").write_text(source.replace("def top_ascending(", "def _no_top_ascending("))
+    (base / "cpu_native.py").write_text(source.replace("def top_ascending(", "def _no_top_ascending(")
+                                        .replace("def decode_attention(", "def _no_decode_attention("))
     result = native_kernel_ab.main(["--base", str(tmp_path / "base"), "--contexts", "256", "--rounds", "1",
                                     "--calls", "2", "--out", str(tmp_path / "out")])
     times = result["contexts"][256]
-    assert set(times) == {"quant_attention 2-bit", "quant_attention 4-bit", "quant_key_logits 2-bit", "top-k ascending"}
+    assert set(times) == {"quant_attention 2-bit", "quant_attention 4-bit", "quant_key_logits 2-bit", "top-k ascending",
+                          "decode attention", "decode attention + weights"}
     assert all(len(t["this"]) == len(t["base"]) == 1 and min(t["this"] + t["base"]) > 0 for t in times.values())
     assert (tmp_path / "out" / "native_kernel_ab.json").is_file()
     with pytest.raises(SystemExit, match="not a kvcomp checkout"):

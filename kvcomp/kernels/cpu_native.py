@@ -741,6 +741,86 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
     }
 }
 
+/* Decode attention over float keys and values that every query row sees (no mask to apply), with its
+   probabilities: q [BH, M, D] (the M query rows of each KV head), keys and values of (row b, KV head h) at
+   k + b * kb + h * kh (and v alike), token t D floats after token t - 1; out [BH, M, D], probs [BH, M, L],
+   partial [BH, C, M, D]. Tokens go in chunks of `chunk` (C of them) so that few KV heads still share the
+   threads; the chunking does not depend on B, so a row's result is the same alone and in a batch. Soft-capping
+   and sink logits (sinks [H, M] or NULL) as residual_softmax applies them. */
+void decode_attention_f32(const float* q, const float* k, const float* v, float* out, float* probs,
+                          float* partial, int64_t B, int64_t H, int64_t M, int64_t L, int64_t D, int64_t kb,
+                          int64_t kh, int64_t vb, int64_t vh, int64_t chunk, float scaling, float softcap,
+                          const float* sinks, int threads) {
+    const int64_t BH = B * H, C = (L + chunk - 1) / chunk;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            for (int64_t c = 0; c < C; c++) {
+                const float* kr = k + (bh / H) * kb + (bh % H) * kh;
+                const float* qm = q + bh * M * D;
+                float* pr = probs + bh * M * L;
+                const int64_t end = (c + 1) * chunk < L ? (c + 1) * chunk : L;
+                for (int64_t t = c * chunk; t < end; t++)
+                    for (int64_t m = 0; m < M; m++) pr[m * L + t] = dot(qm + m * D, kr + t * D, D) * scaling;
+            }
+        }
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++)
+            for (int64_t m = 0; m < M; m++)
+                residual_softmax(probs + (bh * M + m) * L, L, 0, NULL, NULL, NULL, D, 0, 0, scaling, softcap,
+                                 sinks ? sinks + (bh % H) * M + m : NULL);
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            for (int64_t c = 0; c < C; c++) {
+                const float* vr = v + (bh / H) * vb + (bh % H) * vh;
+                const float* pr = probs + bh * M * L;
+                float* acc = partial + (bh * C + c) * M * D;
+                memset(acc, 0, M * D * sizeof(float));
+                const int64_t end = (c + 1) * chunk < L ? (c + 1) * chunk : L;
+                for (int64_t t = c * chunk; t < end; t++)
+                    for (int64_t m = 0; m < M; m++) axpy(acc + m * D, pr[m * L + t], vr + t * D, D);
+            }
+        }
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            for (int64_t m = 0; m < M; m++) {
+                float* o = out + (bh * M + m) * D;
+                memcpy(o, partial + bh * C * M * D + m * D, D * sizeof(float));
+                for (int64_t c = 1; c < C; c++) axpy(o, 1.0f, partial + ((bh * C + c) * M + m) * D, D);
+            }
+        }
+    }
+}
+
+/* One token out of every (row b, KV head h) of an unpadded store of L slots, in place: the slot with the lowest
+   score (scores at b * sb + h * sh, slot after slot; NaN ranks above every number, as top-k ranks it; ties:
+   the lowest position, positions at b * pb + h * ph) takes the last slot's token in each of the n per-slot
+   tensors, tensor i at bases[i] with byte strides layout[4 i .. 4 i + 2] (row, head, slot) and
+   layout[4 i + 3] bytes per slot. drop [B, H] receives the evicted slots. */
+void evict_lowest_f32(const float* scores, int64_t sb, int64_t sh, const int32_t* pos, int64_t pb, int64_t ph,
+                      int64_t B, int64_t H, int64_t L, int64_t n, char* const* bases, const int64_t* layout,
+                      int64_t* drop) {
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const float* s = scores + b * sb + h * sh;
+            const int32_t* p = pos + b * pb + h * ph;
+            int64_t low = 0;
+            float best = isnan(s[0]) ? INFINITY : s[0];
+            for (int64_t t = 1; t < L; t++) {
+                const float x = isnan(s[t]) ? INFINITY : s[t];
+                if (x < best || (x == best && p[t] < p[low])) { best = x; low = t; }
+            }
+            drop[b * H + h] = low;
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t* f = layout + 4 * i;
+                char* row = bases[i] + b * f[0] + h * f[1];
+                if (low != L - 1) memcpy(row + low * f[2], row + (L - 1) * f[2], (size_t)f[3]);
+            }
+        }
+    }
+}
+
 /* A float's bits as an unsigned key in the float order (NaN above +inf, as torch.topk ranks it). */
 static inline uint32_t order_key(float f) {
     uint32_t u;
@@ -903,6 +983,14 @@ def _compile() -> ctypes.CDLL | None:
     fn = lib.top_ascending_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn = lib.decode_attention_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_void_p,
+                                                                                          ctypes.c_int]
+    fn = lib.evict_lowest_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [
+        ctypes.c_void_p] * 3
     fn = lib.kvtc_attention_f32
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 21 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64,
@@ -1102,3 +1190,70 @@ def top_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
     lib.top_ascending_f32(flat.data_ptr(), out.data_ptr(), work.data_ptr(), flat.shape[0], length, k,
                              max(1, min(torch.get_num_threads(), flat.shape[0])))
     return out
+
+
+def supports_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention` runs these inputs: float32 CPU tensors whose keys and values are rows of
+    ``D`` contiguous floats, token after token (any batch and head strides: a growable store's views)."""
+    d = q.shape[-1]
+    return (enabled() and q.device.type == "cpu" and all(t.dtype == torch.float32 for t in (q, k, v))
+            and all(t.stride(-1) == 1 and t.stride(-2) == d for t in (k, v)) and load() is not None)
+
+
+DECODE_CHUNK = 256  # tokens per work item of decode_attention (fixed: a row's result does not depend on B)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode query per row over keys and values it all sees (no mask): ``q`` ``[B, H_kv, M, D]`` (the
+    query rows of each KV head), ``k``, ``v`` ``[B, H_kv, L, D]``; ``sinks``: :meth:`AttentionSpec.grouped_sinks`
+    for these rows or None. Returns the output ``[B, H_kv, M, D]`` and the float32 probabilities
+    ``[B, H_kv, M, L]``, in one pass over the keys and one over the values (torch needs a matmul, a softmax and
+    a second matmul, each a pass over memory)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernel is unavailable; use kvcomp.ops.attention_probs")
+    b, h, m, d = q.shape
+    length = k.shape[2]
+    q = q.contiguous()
+    sinks = None if sinks is None else sinks.detach().to(torch.float32).reshape(h, m).contiguous()
+    chunks = max(1, -(-length // DECODE_CHUNK))
+    out = torch.empty(b, h, m, d, dtype=torch.float32)
+    probs = torch.empty(b, h, m, length, dtype=torch.float32)
+    partial = torch.empty(b * h * chunks, m, d, dtype=torch.float32)
+    if length == 0:
+        raise ValueError("decode_attention needs at least one key.")
+    lib.decode_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), probs.data_ptr(),
+                             partial.data_ptr(), b, h, m, length, d, k.stride(0), k.stride(1), v.stride(0),
+                             v.stride(1), DECODE_CHUNK, float(scaling), float(softcap or 0.0),
+                             None if sinks is None else sinks.data_ptr(),
+                             max(1, min(torch.get_num_threads(), b * h * chunks)))
+    return out, probs
+
+
+def evict_lowest(scores: torch.Tensor, positions: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """Evict, in place, the lowest-scoring slot of every row and KV head of an unpadded store: the last slot's
+    token is written over it in each of ``tensors`` (its per-slot tensors ``[B, H_kv, L, ...]``, positions
+    included); ties go to the lowest position, NaN ranks above every number. ``scores`` ``[B, H_kv, L]``,
+    ``positions`` int32. Returns the evicted slots ``[B, H_kv, 1]`` (int64), or None (nothing done) when the
+    inputs are not CPU tensors whose slots are contiguous rows, the scores float32, or the kernel is off."""
+    if not (enabled() and scores.device.type == "cpu" and scores.dtype == torch.float32
+            and positions.dtype == torch.int32 and scores.stride(-1) == 1 and positions.stride(-1) == 1):
+        return None
+    b, h, length = positions.shape
+    layout = []
+    for t in tensors:  # [B, H_kv, L] or [B, H_kv, L, D] with rows of D contiguous elements
+        size = t.element_size()
+        row = size * (t.shape[3] if t.dim() == 4 else 1)
+        if t.device.type != "cpu" or t.dim() not in (3, 4) or (t.dim() == 4 and t.stride(3) != 1):
+            return None
+        layout += [t.stride(0) * size, t.stride(1) * size, t.stride(2) * size, row]
+    lib = load()
+    if lib is None:
+        return None
+    drop = torch.empty(b, h, 1, dtype=torch.int64)
+    bases = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+    lib.evict_lowest_f32(scores.data_ptr(), scores.stride(0), scores.stride(1), positions.data_ptr(),
+                         positions.stride(0), positions.stride(1), b, h, length, len(tensors), bases,
+                         (ctypes.c_int64 * len(layout))(*layout), drop.data_ptr())
+    return drop
