@@ -22,10 +22,20 @@ def known(t: torch.Tensor, values: Iterable[int]) -> torch.Tensor:
     return t
 
 
+_built: dict[tuple, torch.Tensor] = {}  # recent tensor() results: a decode step asks each layer the same budget
+
+
 def tensor(values: Iterable[int], device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A 1-d tensor of ``values``, marked with them."""
-    values = [int(v) for v in values]
-    return known(torch.tensor(values, dtype=dtype, device=device), values)
+    """A 1-d tensor of ``values``, marked with them (the same tensor for the same request while it is recent:
+    marked tensors are never written in place)."""
+    values = tuple(int(v) for v in values)
+    key = (values, str(device), dtype)
+    out = _built.get(key)
+    if out is None:
+        if len(_built) >= 64:
+            _built.clear()
+        out = _built[key] = known(torch.tensor(values, dtype=dtype, device=device), values)
+    return out
 
 
 def known_values(t: torch.Tensor) -> tuple[int, ...] | None:

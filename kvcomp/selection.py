@@ -106,8 +106,10 @@ class TokenStore:
 
     def stored_tokens(self) -> torch.Tensor:
         """``[B, H_kv]`` real tokens per row and KV head (known on the host when no slot is empty)."""
-        stored = self.valid.sum(-1)
-        return host.known(stored, [self.positions.shape[-1]] * stored.numel()) if self.all_real else stored
+        if not self.all_real:
+            return self.valid.sum(-1)
+        b, h, length = self.positions.shape
+        return host.known(host.tensor([length] * (b * h), self.positions.device).view(b, h), [length] * (b * h))
 
     def gather(self, index: torch.Tensor, keep: torch.Tensor | None = None) -> TokenStore:
         """Keep slots ``index`` (``[B, H_kv, L']``); ``keep`` (same shape, bool) marks which are real, ``None``
