@@ -1,20 +1,5 @@
 #!/bin/bash
 # The matched-load leg: kvpress (one thread) beside kvcomp grid repetitions (one thread) until kvpress ends.
-set -u
-here=$(cd "$(dirname "$0")" && pwd); cd "$(git -C "$here" rev-parse --show-toplevel)"; mkdir -p runs/timing2
-OMP_NUM_THREADS=1 .venv-peers/bin/python experiments/peers/kvpress_run.py --samples runs/timing2/samples.jsonl \
-  --threads 1 --out runs/timing2/kvpress --presses none streaming_llm:0.75 tova:0.75 snapkv:0.75 kvzip_layer:0.75 \
-  > runs/timing2/kvpress.log 2>&1 &
-peer=$!
-i=2
-while kill -0 $peer 2>/dev/null; do
-  "$here/grid.sh" runs/timing2/kvcomp-rep$i > runs/timing2/rep$i.log 2>&1 &
-  g=$!
-  while kill -0 $g 2>/dev/null; do
-    if ! kill -0 $peer 2>/dev/null; then kill -- $g 2>/dev/null; pkill -f "kvcomp-rep$i" ; break; fi
-    sleep 5
-  done
-  wait $g; echo "rep$i rc $?" >> runs/timing2/matched.log
-  i=$((i+1))
-done
-wait $peer; echo "kvpress rc $?" >> runs/timing2/matched.log
+here=$(cd "$(dirname "$0")" && pwd)
+exec bash "$here/../../peers/matched.sh" runs/timing2 "$here/grid.sh" \
+  none streaming_llm:0.75 tova:0.75 snapkv:0.75 kvzip_layer:0.75
