@@ -10,7 +10,7 @@ the budget and the speculative prefetch with its cosine correction). Resident su
 ``[B, H_kv, P, D]`` in the model dtype — ``2 * D * itemsize`` bytes per page and KV head, 1/``page_size``
 of the keys. A page's score for query ``q`` is Quest's upper bound of ``q . k`` over its keys,
 ``sum_d max(q_d * min_d, q_d * max_d)``, maximized over the KV head's query group
-(:func:`kvcomp.kernels.page_scores`: torch on the CPU, Triton on CUDA); each step the top-k pages per KV head are
+(:func:`kvcomp.kernels.page_scores`: C on the CPU, Triton on CUDA); each step the top-k pages per KV head are
 fetched whole and attention runs over sinks + fetched pages + recent window.
 """
 

@@ -148,7 +148,7 @@ class SpeCache(Retrieval):
         state.scratch = logits
         return logits.amax(2)
 
-    def attend_decode(self, state, q, ctx, keys, values, positions, units):
+    def attend_decode(self, state, q, ctx, keys, values, positions, units, complete=False):
         """One softmax over the full-precision tokens (sinks, fetched, window) and the low-bit copies of the
         others: the fused quantized-attention kernel (C on the CPU, reusing this step's scoring logits; Triton on
         CUDA) with the full-precision tokens as its residual, or torch, which dequantizes the values once."""
@@ -156,7 +156,7 @@ class SpeCache(Retrieval):
         s, logits_low = state.summary, state.scratch
         state.scratch = None
         if s is None:
-            return super().attend_decode(state, q, ctx, keys, values, positions, units)
+            return super().attend_decode(state, q, ctx, keys, values, positions, units, complete)
         n_low = s.key_codes.shape[2] * s.key_codes.shape[3]
         spec, path = ctx.spec, self._path(q, s)
         # Fetched tokens replace their low-bit copies: their low-bit positions become empty slots (SENTINEL,

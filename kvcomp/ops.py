@@ -128,7 +128,7 @@ def attention_probs(qg: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | N
     return softmax(logits if allowed is None else logits.masked_fill(~allowed, float("-inf")), sinks)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor | None,
                     spec: AttentionSpec, need_weights: bool = False, all_visible: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``q`` over kept K/V, masked by positions (:func:`visible`), with the layer's softcap and sinks.
@@ -137,7 +137,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     Query heads are grouped per KV head (GQA) instead of repeating K/V. A query that sees no key at all (a
     padding query) attends to every slot rather than produce NaN; its output is never used.
     ``all_visible``: the caller knows on the host that the single query (n == 1) of each row sees every slot (a
-    decode step over a store without empty slots on a full-attention layer); nothing is read back to check it.
+    decode step over a store without empty slots on a full-attention layer); nothing is read back to check it,
+    and ``k_pos`` may be None.
     Returns out [B, H_q, n, D] and, if asked, weights [B, H_kv, G, n, L] (float32 probabilities).
     """
     b, hq, n, d = q.shape

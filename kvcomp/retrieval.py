@@ -174,11 +174,17 @@ class Retrieval(Compressor):
         raise NotImplementedError
 
     def attend_decode(self, state: RetrievalState, q: torch.Tensor, ctx: LayerContext, keys: torch.Tensor,
-                      values: torch.Tensor, positions: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+                      values: torch.Tensor, positions: torch.Tensor, units: torch.Tensor,
+                      complete: bool = False) -> torch.Tensor:
         """Attention of ``q`` given the fetched tokens (``[B, H, k, D]``, positions ``[B, H, k]``, SENTINEL
-        where nothing was fetched) and the selected ``units`` ``[B, H, k_units]`` (-1: none)."""
+        where nothing was fetched) and the selected ``units`` ``[B, H, k_units]`` (-1: none); ``complete``:
+        every fetched slot holds a token (known on the host, from the fetch)."""
         keys = torch.cat([state.sink_k, keys, state.recent_k], dim=2)
         values = torch.cat([state.sink_v, values, state.recent_v], dim=2)
+        if complete and ctx.spec.window is None:
+            # Every slot holds a token at or before this query on a full-attention layer: no positions to build.
+            out, _ = dense_attention(q, keys, values, ctx.query_positions, None, ctx.spec, all_visible=True)
+            return out
         positions = torch.cat([self._positions(state, 0, state.n_sink, q), positions,
                                self._positions(state, state.boundary, state.length, q)], dim=2)
         out, _ = dense_attention(q, keys, values, ctx.query_positions, positions, ctx.spec)
@@ -252,11 +258,12 @@ class Retrieval(Compressor):
         state.fetch_bytes = _buffer_bytes(keys, values)
         tokens = int((index >= 0).sum()) if result.tokens is None else result.tokens
         st.fetched_tokens += tokens
-        if tokens == index.numel():  # every slot holds a token (a synchronous fetch, mostly)
+        complete = tokens == index.numel()  # every slot holds a token (a synchronous fetch, mostly)
+        if complete:
             positions = index + state.start_pos
         else:
             positions = torch.where(index >= 0, state.start_pos + index, SENTINEL)
-        out = self.attend_decode(state, q, ctx, keys, values, positions, units)
+        out = self.attend_decode(state, q, ctx, keys, values, positions, units, complete)
         st.decode_bytes += result.nbytes
         advanced = self._advance(state)
         if speculates:

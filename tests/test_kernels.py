@@ -215,6 +215,38 @@ def test_page_score_bounds_every_key_of_the_page():
     assert bool((logits <= bound + 1e-5).all())
 
 
+@pytest.mark.parametrize("b,gqa,pages,d", [(1, 3, 62, 64), (2, 1, 1, 24), (1, 4, 255, 64), (1, 2, 0, 16)])
+def test_native_page_scores_match_reference(b, gqa, pages, d):
+    """The C page bound, maximized over the query group, against the reference; digests that are views of a
+    longer one (FreeKV's grow by cat; a slice is not contiguous) are read through their own strides."""
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    h = 3
+    q = randn(b, h * gqa, 1, d, seed=40).cpu()
+    keys = randn(b, h, pages + 2, 8, d, seed=41).cpu()
+    page_max, page_min = keys.amax(3)[:, :, 1:-1], keys.amin(3)[:, :, 1:-1]
+    assert cpu_native.supports_pages(q, page_max, page_min, "max")
+    out = cpu_native.page_scores(q, page_max, page_min)
+    assert out.shape == (b, h, pages) and out.dtype == torch.float32
+    torch.testing.assert_close(out, retrieval_ref.page_scores(q, page_max, page_min, "max"), rtol=1e-5, atol=1e-5)
+
+
+def test_page_scores_dispatch_goes_native_only_for_the_group_maximum(monkeypatch):
+    q = randn(1, 6, 1, 16, seed=42).cpu()
+    keys = randn(1, 2, 9, 4, 16, seed=43).cpu()
+    calls = []
+    native = cpu_native.page_scores
+    monkeypatch.setattr(cpu_native, "page_scores", lambda *a: calls.append(1) or native(*a))
+    for reduce in ("max", "sum", "mean"):
+        got = kernels.page_scores(q, keys.amax(3), keys.amin(3), reduce)
+        torch.testing.assert_close(got, retrieval_ref.page_scores(q, keys.amax(3), keys.amin(3), reduce),
+                                   rtol=1e-5, atol=1e-5)
+    assert calls == ([1] if cpu_native.load() is not None else [])
+    monkeypatch.setenv("KVCOMP_NATIVE", "0")
+    kernels.page_scores(q, keys.amax(3), keys.amin(3), "max")
+    assert len(calls) <= 1
+
+
 @pytest.mark.parametrize("bits,gqa,dtype,reduce", [
     (2, 1, torch.float32, "max"), (4, 3, torch.float32, "sum"), (8, 4, torch.float16, "mean"),
     (4, 3, torch.bfloat16, "max"),

@@ -150,6 +150,64 @@ def test_disk_tier_accesses_leave_none_of_the_file_resident(tmp_path):
     tier.close()
 
 
+def test_disk_tier_gathers_with_reads_equal_to_the_mapped_gather(tmp_path, monkeypatch):
+    """The disk tier reads gathered rows with pread (nothing mapped): the same bytes as the gather through the
+    mapping (KVCOMP_NATIVE=0), for runs of pages, scattered tokens, repeats, descending order, spans longer than
+    one read, and -1 slots."""
+    from kvcomp.kernels import cpu_native
+
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    tier = DiskTier(directory=tmp_path)
+    k, v = kv(9000, 3)
+    tier.write(0, k, v)
+    g = torch.Generator().manual_seed(4)
+    pages = torch.randint(0, 280, (B, H, 6), generator=g).sort().values
+    cases = {
+        "pages": (pages.unsqueeze(-1) * 32 + torch.arange(32)).flatten(2),
+        "scattered": torch.randint(0, 9000, (B, H, 300), generator=g),
+        "repeats": torch.full((B, H, 5), 17),
+        "descending": torch.arange(8999, 8000, -7).expand(B, H, -1),
+        "long span": torch.arange(0, 9000).expand(B, H, -1),  # one row run longer than READ_SPAN
+        "with -1": torch.randint(-1, 9000, (B, H, 64), generator=g),
+    }
+    reads = []
+    native = cpu_native.pread_rows
+    monkeypatch.setattr(cpu_native, "pread_rows", lambda *a: reads.append(1) or native(*a))
+    for name, index in cases.items():
+        got = tier.gather(0, index)
+        with monkeypatch.context() as m:
+            m.setenv("KVCOMP_NATIVE", "0")
+            mapped = tier.gather(0, index)
+        expected = k.gather(2, index.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, D))
+        expected = expected.masked_fill(index.unsqueeze(-1) < 0, 0)
+        assert torch.equal(got[0], mapped[0]) and torch.equal(got[1], mapped[1]), name
+        assert torch.equal(got[0], expected), name
+    assert len(reads) == 2 * len(cases)  # each case read once with, once without (declined) the kernel
+    assert resident_kib(tier.file(0)) == 0
+    tier.close()
+
+
+def test_disk_tier_read_past_the_file_or_of_a_bad_descriptor_is_an_error(tmp_path):
+    from kvcomp.kernels import cpu_native
+
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    tier = DiskTier(directory=tmp_path)
+    tier.write(0, *kv(64, 5))
+    out = torch.empty(1, 2, D)
+    fd = os.open(tier.file(0), os.O_RDONLY)
+    try:
+        rows = os.fstat(fd).st_size // (2 * D * 4)
+        with pytest.raises(OSError, match="Input/output error"):  # a short read
+            cpu_native.pread_rows(fd, torch.tensor([rows]), 2 * D * 4, out)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        cpu_native.pread_rows(fd, torch.tensor([0]), 2 * D * 4, out)
+    tier.close()
+
+
 def test_disk_tier_is_removed_when_dropped_after_an_exception(tmp_path):
     def crash():
         tier = DiskTier(directory=tmp_path)

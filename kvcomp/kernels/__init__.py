@@ -8,7 +8,8 @@ quant_attention        :mod:`cpu_native` (fused C, float32) or      :mod:`quant_
                        :mod:`quant_cpu` (vectorised torch);         online softmax, split-K, one program per
                        :mod:`quant_ref` is the readable spec        GQA group)
 sparse_attention       :mod:`sparse_ref`                           :mod:`sparse_triton`
-page_scores            :mod:`retrieval_ref`                        :mod:`retrieval_triton`
+page_scores            :mod:`cpu_native` (C, float32, group max)    :mod:`retrieval_triton`
+                       or :mod:`retrieval_ref`
 quant_key_scores       :mod:`retrieval_ref` (SpeCache on the CPU:   :mod:`retrieval_triton`
                        ``cpu_native.quant_key_logits``)
 =====================  ==========================================  ==========================================
@@ -106,9 +107,15 @@ def sparse_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return _impl("sparse", "sparse_attention", q)(q, *args, **kwargs)
 
 
-def page_scores(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """See :func:`kvcomp.kernels.retrieval_ref.page_scores`."""
-    return _impl("retrieval", "page_scores", q)(q, *args, **kwargs)
+def page_scores(q: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor, reduce: str = "max") -> torch.Tensor:
+    """See :func:`kvcomp.kernels.retrieval_ref.page_scores`. On the CPU, float32 with ``reduce="max"`` goes to
+    the C kernel of :mod:`cpu_native` when it compiles."""
+    if backend_for(q) == "torch":
+        from kvcomp.kernels import cpu_native
+
+        if cpu_native.supports_pages(q, page_max, page_min, reduce):
+            return cpu_native.page_scores(q, page_max, page_min, reduce)
+    return _impl("retrieval", "page_scores", q)(q, page_max, page_min, reduce)
 
 
 def quant_key_scores(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:

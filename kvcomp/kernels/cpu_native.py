@@ -37,9 +37,11 @@ import torch
 from kvcomp.files import cache_dir
 
 SOURCE = r"""
+#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -793,6 +795,30 @@ void decode_attention_f32(const float* q, const float* k, const float* v, float*
     }
 }
 
+/* Quest's page bound maximized over each KV head's query group: out[bh, p] = max over g of
+   sum_d max(q[bh, g, d] * hi[bh, p, d], q[bh, g, d] * lo[bh, p, d]); q [BH, G, D], hi and lo [BH, P, D]. */
+void page_scores_f32(const float* q, const float* hi, const float* lo, float* out, int64_t BH, int64_t G,
+                     int64_t P, int64_t D, int threads) {
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t bh = 0; bh < BH; bh++) {
+        for (int64_t p = 0; p < P; p++) {
+            const float* h = hi + (bh * P + p) * D;
+            const float* l = lo + (bh * P + p) * D;
+            float best = -INFINITY;
+            for (int64_t g = 0; g < G; g++) {
+                const float* qg = q + (bh * G + g) * D;
+                float s = 0.0f;
+                for (int64_t d = 0; d < D; d++) {
+                    const float a = qg[d] * h[d], b = qg[d] * l[d];
+                    s += a > b ? a : b;
+                }
+                best = s > best ? s : best;
+            }
+            out[bh * P + p] = best;
+        }
+    }
+}
+
 /* One token out of every (row b, KV head h) of an unpadded store of L slots, in place: the slot with the lowest
    score (scores at b * sb + h * sh, slot after slot; NaN ranks above every number, as top-k ranks it; ties:
    the lowest position, positions at b * pb + h * ph) takes the last slot's token in each of the n per-slot
@@ -819,6 +845,36 @@ void evict_lowest_f32(const float* scores, int64_t sb, int64_t sh, const int32_t
             }
         }
     }
+}
+
+/* Rows `flat` (n of them, `row` bytes each; row r at byte offset r * row of the file `fd`) into out, row after
+   row, through the page cache without mapping the file. Rows of ascending indices at most `gap` bytes apart
+   whose span fits `bounce` (`size` bytes) are one pread into it, then copied out (one read of a few large spans
+   costs less than many small ones, or one preadv of many pieces). Returns 0, -errno of a failed read, or -EIO
+   for a short one. */
+int64_t pread_rows(int fd, const int64_t* flat, int64_t n, int64_t row, char* out, char* bounce, int64_t size,
+                   int64_t gap) {
+    int64_t i = 0;
+    while (i < n) {
+        int64_t j = i;
+        while (j + 1 < n && flat[j + 1] > flat[j] && (flat[j + 1] - flat[j] - 1) * row <= gap
+               && (flat[j + 1] - flat[i] + 1) * row <= size)
+            j++;
+        const int64_t want = (flat[j] - flat[i] + 1) * row;
+        char* dst = j == i ? out + i * row : bounce;
+        int64_t done = 0;
+        while (done < want) {
+            const ssize_t got = pread(fd, dst + done, (size_t)(want - done), (off_t)(flat[i] * row + done));
+            if (got < 0 && errno == EINTR) continue;
+            if (got < 0) return -errno;
+            if (got == 0) return -EIO;
+            done += got;
+        }
+        if (j > i)
+            for (int64_t r = i; r <= j; r++) memcpy(out + r * row, bounce + (flat[r] - flat[i]) * row, (size_t)row);
+        i = j + 1;
+    }
+    return 0;
 }
 
 /* A float's bits as an unsigned key in the float order (NaN above +inf, as torch.topk ranks it). */
@@ -987,6 +1043,12 @@ def _compile() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_void_p,
                                                                                           ctypes.c_int]
+    fn = lib.pread_rows
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    fn = lib.page_scores_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     fn = lib.evict_lowest_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [
@@ -1166,6 +1228,48 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
         None if sinks is None else sinks.data_ptr(),
     )
     return out.reshape(b, hq, n, d)
+
+
+def supports_pages(q: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor, reduce: str) -> bool:
+    """Whether :func:`page_scores` runs these inputs: float32 CPU tensors, the maximum over the query group."""
+    return (enabled() and reduce == "max" and q.device.type == "cpu"
+            and all(t.dtype == torch.float32 for t in (q, page_max, page_min)) and load() is not None)
+
+
+def page_scores(q: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor, reduce: str = "max") -> torch.Tensor:
+    """:func:`kvcomp.kernels.retrieval_ref.page_scores` with ``reduce="max"``, in one pass over the digests."""
+    b, hq, _, d = q.shape
+    h, pages = page_max.shape[1], page_max.shape[2]
+    out = torch.empty(b, h, pages, dtype=torch.float32)
+    if out.numel():  # (the contiguous tensors are held until the call returns)
+        q, page_max, page_min = q.contiguous(), page_max.contiguous(), page_min.contiguous()
+        load().page_scores_f32(q.data_ptr(), page_max.data_ptr(), page_min.data_ptr(), out.data_ptr(), b * h,
+                               hq // h, pages, d, max(1, min(torch.get_num_threads(), b * h * pages // 64)))
+    return out
+
+
+READ_SPAN = 1 << 18  # bytes of the file one read covers at most (the rows between wanted ones are read too)
+READ_GAP = 1 << 14  # bytes between two wanted rows read along with them rather than start another read
+
+
+def pread_rows(fd: int, flat: torch.Tensor, row_bytes: int, out: torch.Tensor) -> bool:
+    """Rows ``flat`` (int64 row indices; row ``r`` is bytes ``[r * row_bytes, (r + 1) * row_bytes)`` of the open
+    file ``fd``) into ``out`` (``len(flat)`` rows of ``row_bytes``, contiguous, CPU), with ``preadv``: the
+    page cache's bytes are copied, nothing is mapped into this process. Rows of ascending indices close together
+    share one read. False (nothing read) when the kernel is off or unavailable; ``OSError`` when a read fails."""
+    if not (enabled() and out.device.type == "cpu" and out.is_contiguous() and flat.device.type == "cpu"
+            and flat.dtype == torch.int64 and out.numel() * out.element_size() == flat.numel() * row_bytes):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    flat = flat.contiguous()
+    bounce = torch.empty(READ_SPAN, dtype=torch.uint8)
+    rc = lib.pread_rows(fd, flat.data_ptr(), flat.numel(), row_bytes, out.data_ptr(), bounce.data_ptr(), READ_SPAN,
+                        READ_GAP)
+    if rc:
+        raise OSError(-rc, os.strerror(-rc))
+    return True
 
 
 def supports_top(scores: torch.Tensor) -> bool:
