@@ -38,10 +38,13 @@ Space: a layer's file is reserved (``posix_fallocate``) before it is mapped or g
 space (``os.statvfs``), so a full filesystem raises :class:`TierFull` (naming the directory and the bytes needed;
 the tier's files are removed) instead of a SIGBUS when a page of a sparse file finds no room.
 
-Layout: storage is token-major, ``[capacity, B, H, 2, D]``: a token's key and value for one head are one
-contiguous run of ``2 * D * itemsize`` bytes, so gathering scattered tokens reads whole runs, and appending
-writes at the end of the file. A disk tier is read through the OS page cache (mmap): a recently written file
-may still be in RAM; that is what a real offloading system on this machine would see too.
+Layout: storage is blocks of ``BLOCK`` tokens, ``[blocks, B, H, BLOCK, 2, D]``: a token's key and value for one
+head are one contiguous run of ``2 * D * itemsize`` bytes, a head's tokens of one block are ``BLOCK`` consecutive
+runs (a retrieved page of one KV head is one or two reads, not ``B * H`` times its bytes spread over the file),
+and appending writes in the last block, growing the storage a whole block at a time. A disk tier is written
+through a mapping of its file and gathered from with ``pread`` (the bytes copied out of the OS page cache; a
+range read goes through the mapping): a recently written file may still be in RAM; that is what a real
+offloading system on this machine would see too.
 
 :class:`Prefetcher` moves reads off the critical path (a :class:`FetchRequest` is a gather of token indices
 or a token range of one layer): ``submit(step, request)`` starts fetching in the
@@ -80,13 +83,35 @@ import torch
 from kvcomp.validation import ResourceError
 
 TIER_KINDS = ("ram", "host", "disk")
+BLOCK = 32  # tokens of one head stored one after the other (the storage's second-innermost token dimension)
 _MIN_GROWTH = 256  # tokens added at least when a layer's storage grows
 WRITE_CHUNK = 512  # tokens interleaved into the storage layout at a time (bounds the write's temporary copy)
 
 
+def _blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+def _place(data: torch.Tensor, start: int, kv: torch.Tensor) -> None:
+    """Write ``kv`` ``[B, H, n, 2, D]`` as tokens ``[start, start + n)`` of the blocked storage ``data``: whole
+    blocks in one copy, the partial ones at either end apart."""
+    n, at = kv.shape[2], 0
+    while at < n:
+        block, offset = divmod(start + at, BLOCK)
+        if offset == 0 and n - at >= BLOCK:
+            whole = (n - at) // BLOCK
+            part = kv[:, :, at : at + whole * BLOCK].unflatten(2, (whole, BLOCK))  # [B, H, whole, BLOCK, 2, D]
+            data[block : block + whole] = part.permute(2, 0, 1, 3, 4, 5)
+            at += whole * BLOCK
+        else:
+            take = min(BLOCK - offset, n - at)
+            data[block, :, :, offset : offset + take] = kv[:, :, at : at + take]
+            at += take
+
+
 @dataclass
 class _Slot:
-    data: torch.Tensor  # [capacity, B, H, 2, D]
+    data: torch.Tensor  # [blocks, B, H, BLOCK, 2, D]
     length: int = 0
     version: int = 0  # new (unique within the tier) on write and crop: whatever changes tokens already stored
 
@@ -105,12 +130,14 @@ class Tier:
         self.bytes_written = 0
 
     # -- storage (overridden by subclasses) ------------------------------------------------------------
-    def _allocate(self, layer: int, capacity: int, tail: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _allocate(self, layer: int, blocks: int, tail: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Storage of ``blocks`` blocks, ``[blocks, *tail]``."""
         raise NotImplementedError
 
-    def _grow(self, layer: int, slot: _Slot, capacity: int) -> torch.Tensor:
-        data = self._allocate(layer, capacity, tuple(slot.data.shape[1:]), slot.data.dtype)
-        data[: slot.length] = slot.data[: slot.length]
+    def _grow(self, layer: int, slot: _Slot, blocks: int) -> torch.Tensor:
+        data = self._allocate(layer, blocks, tuple(slot.data.shape[1:]), slot.data.dtype)
+        used = _blocks(slot.length)
+        data[:used] = slot.data[:used]
         return data
 
     def _release(self, layer: int) -> None:
@@ -121,7 +148,7 @@ class Tier:
         (a mapped file's pages). Default: nothing (the storage is the process's memory by design)."""
 
     def _gather_rows(self, layer: int, rows: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> bool:
-        """``out[i] = rows[flat[i]]`` (``rows``: the layer's storage as ``[capacity * B * H, 2, D]``); returns
+        """``out[i] = rows[flat[i]]`` (``rows``: the layer's storage as ``[blocks * B * H * BLOCK, 2, D]``); returns
         whether it read through the storage (so :meth:`_drop_pages` has pages to give back)."""
         torch.index_select(rows, 0, flat, out=out)
         return True
@@ -146,7 +173,7 @@ class Tier:
             if old is not None:
                 self._release(layer)
             b, h, n, d = k.shape
-            data = self._allocate(layer, max(n, 1), (b, h, 2, d), k.dtype)
+            data = self._allocate(layer, _blocks(max(n, 1)), (b, h, BLOCK, 2, d), k.dtype)
             self._slots[layer] = _Slot(data, 0, next(self._versions))
             self._put(layer, k, v)
 
@@ -159,10 +186,9 @@ class Tier:
             slot = self._slots[layer]
             if tuple(k.shape[:2]) != tuple(slot.data.shape[1:3]) or k.shape[-1] != slot.data.shape[-1]:
                 raise ValueError(f"append: K/V {tuple(k.shape)} do not match layer {layer}'s {tuple(slot.data.shape)}.")
-            need = slot.length + k.shape[2]
-            if need > slot.data.shape[0]:
-                capacity = max(need, slot.data.shape[0] + max(slot.data.shape[0] // 4, _MIN_GROWTH))
-                slot.data = self._grow(layer, slot, capacity)
+            need, have = _blocks(slot.length + k.shape[2]), slot.data.shape[0]
+            if need > have:
+                slot.data = self._grow(layer, slot, max(need, have + max(have // 4, _MIN_GROWTH // BLOCK)))
             self._put(layer, k, v)
 
     def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -171,8 +197,8 @@ class Tier:
         # In bounded chunks: interleaving K and V into the storage layout never copies the whole layer at once.
         for a in range(0, n, WRITE_CHUNK):
             b = min(n, a + WRITE_CHUNK)
-            kv = torch.stack([k[:, :, a:b], v[:, :, a:b]], dim=3).permute(2, 0, 1, 3, 4)  # [b - a, B, H, 2, D]
-            slot.data[slot.length + a : slot.length + b] = kv.to(slot.data.device, slot.data.dtype)
+            kv = torch.stack([k[:, :, a:b], v[:, :, a:b]], dim=3)  # [B, H, b - a, 2, D]
+            _place(slot.data, slot.length + a, kv.to(slot.data.device, slot.data.dtype))
         self._drop_pages(layer)
         slot.length += n
         self.bytes_written += 2 * k.numel() * slot.data.element_size()
@@ -189,9 +215,11 @@ class Tier:
             slot = self._slot(layer)
             stop = slot.length if stop is None else min(stop, slot.length)
             start = max(0, min(start, stop))
-            kv = slot.data[start:stop].permute(1, 2, 0, 3, 4)  # [B, H, n, 2, D], a view of the storage
+            first, last = start // BLOCK, _blocks(stop)
+            kv = slot.data[first:last].permute(1, 2, 0, 3, 4, 5)  # [B, H, blocks, BLOCK, 2, D], a view
             out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device, pin_memory=self._pin_out(kv))
             out.copy_(kv)
+            out = out.flatten(2, 3)[:, :, start - first * BLOCK : stop - first * BLOCK]  # [B, H, n, 2, D]
             self.bytes_read += out.numel() * out.element_size()
             self._drop_pages(layer)
         out = self._to(out, device, non_blocking)
@@ -202,15 +230,15 @@ class Tier:
         """``(k, v)`` ``[B, H, k, D]`` of the tokens ``index`` ``[B, H, k]`` (long, per row and head).
 
         Entries ``< 0`` are not read: their K/V are zeros and they cost no bytes. One ``index_select`` over the
-        storage's ``[capacity * B * H, 2, D]`` rows (a token's K and V of one head are one row)."""
+        storage's ``[blocks * B * H * BLOCK, 2, D]`` rows (a token's K and V of one head are one row)."""
         with self._lock:
             slot = self._slot(layer)
             b, h = slot.data.shape[1:3]
             if tuple(index.shape[:2]) != (b, h):
                 raise ValueError(f"gather: index {tuple(index.shape)} does not match [B={b}, H={h}, k].")
             index = index.to(slot.data.device)
-            shape = (*index.shape, *slot.data.shape[3:])
-            rows = slot.data.view(-1, *slot.data.shape[3:])
+            shape = (*index.shape, *slot.data.shape[4:])
+            rows = slot.data.view(-1, *slot.data.shape[4:])
             if index.numel() == 0:
                 out, wanted, mapped = rows.new_zeros(shape), 0, False
             else:
@@ -218,7 +246,8 @@ class Tier:
                 if high >= slot.length:
                     raise IndexError(f"gather: token index beyond the {slot.length} stored in layer {layer}.")
                 heads = torch.arange(b * h, device=index.device).view(b, h, 1)
-                flat = (index * (b * h) + heads).flatten()
+                flat = (torch.div(index, BLOCK, rounding_mode="floor") * (b * h) + heads) * BLOCK + index % BLOCK
+                flat = flat.flatten()
                 out = torch.empty(shape, dtype=slot.data.dtype, device=slot.data.device,
                                   pin_memory=self._pin_out(slot.data))
                 if low >= 0:  # everything wanted: the common case, one gather
@@ -231,7 +260,7 @@ class Tier:
                     mapped = self._gather_rows(layer, rows, flat[keep], picked)
                     out.view(-1, *shape[3:])[keep] = picked
                     wanted = keep.numel()
-            self.bytes_read += wanted * slot.data[0, 0, 0].numel() * out.element_size()
+            self.bytes_read += wanted * rows[0].numel() * out.element_size()
             if wanted and mapped:  # nothing read through the mapping, nothing made resident
                 self._drop_pages(layer)
         out = self._to(out, device, non_blocking)
@@ -290,8 +319,8 @@ class RamTier(Tier):
         super().__init__(device)
         self.storage_device = torch.device(storage_device) if storage_device is not None else self.device
 
-    def _allocate(self, layer, capacity, tail, dtype):
-        return torch.empty(capacity, *tail, dtype=dtype, device=self.storage_device)
+    def _allocate(self, layer, blocks, tail, dtype):
+        return torch.empty(blocks, *tail, dtype=dtype, device=self.storage_device)
 
 
 class HostTier(Tier):
@@ -303,8 +332,8 @@ class HostTier(Tier):
         super().__init__(device)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
 
-    def _allocate(self, layer, capacity, tail, dtype):
-        return torch.empty(capacity, *tail, dtype=dtype, pin_memory=self.pin_memory)
+    def _allocate(self, layer, blocks, tail, dtype):
+        return torch.empty(blocks, *tail, dtype=dtype, pin_memory=self.pin_memory)
 
     def _pin_out(self, like):
         return self.pin_memory and self.device.type == "cuda"
@@ -483,9 +512,9 @@ class DiskTier(Tier):
     def file(self, layer: int) -> str:
         return os.path.join(self.path, f"layer{layer}.kv")
 
-    def _map(self, layer: int, capacity: int, tail: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
+    def _map(self, layer: int, blocks: int, tail: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        shape = (capacity, *tail[:-1], tail[-1] * itemsize)
+        shape = (blocks, *tail[:-1], tail[-1] * itemsize)
         flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_TRUNC if create else 0)
         fd = os.open(self.file(layer), flags, 0o600)
         try:
@@ -524,16 +553,16 @@ class DiskTier(Tier):
             "a larger disk (offload_dir=... for FreeKV/SpeCache, Lossless(tier_options={'directory': ...}), or "
             "$KVCOMP_OFFLOAD_DIR), or keep the full KV in memory (tier='host').", path, need, free)
 
-    def _allocate(self, layer, capacity, tail, dtype):
+    def _allocate(self, layer, blocks, tail, dtype):
         if not self._finalizer.alive:
             raise RuntimeError("DiskTier is closed.")
         self._meta[layer] = (tail, dtype)
-        return self._map(layer, capacity, tail, dtype, create=True)
+        return self._map(layer, blocks, tail, dtype, create=True)
 
-    def _grow(self, layer, slot, capacity):
+    def _grow(self, layer, slot, blocks):
         # Extend the file and map it again: the stored tokens are not copied.
         tail, dtype = self._meta[layer]
-        return self._map(layer, capacity, tail, dtype, create=False)
+        return self._map(layer, blocks, tail, dtype, create=False)
 
     def _gather_rows(self, layer, rows, flat, out):
         # With preadv the page cache's bytes are copied without mapping them (faulting pages in, then unmapping

@@ -102,7 +102,7 @@ def test_a_disk_tier_on_a_full_filesystem_raises_tier_full_and_removes_its_files
         from kvcomp.tiers import DiskTier, TierFull
         root = sys.argv[1]
         tier = DiskTier(directory=root)
-        k = torch.ones(1, 2, 2000, 16)  # 2000 tokens: 2 * 2 * 2000 * 16 * 4 = 512000 bytes of K and V
+        k = torch.ones(1, 2, 2048, 16)  # 2048 tokens (64 blocks): 2 * 2 * 2048 * 16 * 4 = 524288 bytes of K and V
         try:
             tier.write(0, k, k)
         except TierFull as err:
@@ -118,8 +118,8 @@ def test_a_disk_tier_on_a_full_filesystem_raises_tier_full_and_removes_its_files
     """, str(fs.path))
     assert proc.returncode == 0, proc.stderr[-3000:]  # before the fix: -7 (SIGBUS), files left
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
-    assert lines["full"] == "512000 True True []"
-    assert "needs 512,000 more bytes in " + str(fs.path) in lines["message"] and "free" in lines["message"]
+    assert lines["full"] == "524288 True True []"
+    assert "needs 524,288 more bytes in " + str(fs.path) in lines["message"] and "free" in lines["message"]
     assert "offload_dir" in lines["message"] and "tier='host'" in lines["message"]
     assert lines["grown"] == "True True []"
     assert fs.entries() == []

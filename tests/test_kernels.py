@@ -476,9 +476,9 @@ def test_kernel_benchmark_script_runs_at_tiny_size(tmp_path):
 
 
 def test_native_kernel_ab_times_both_checkouts_on_the_same_results(tmp_path):
-    """The A/B script against a checkout whose kernel lacks top_ascending and decode_attention (it times topk +
-    sort, and sdpa or matmul-softmax-matmul there), at a tiny size; a path that is no checkout is refused by
-    name."""
+    """The A/B script against a checkout whose kernel lacks top_ascending, decode_attention and page_scores (it
+    times topk + sort, sdpa or matmul-softmax-matmul, and the torch page bound there), at a tiny size; a path that
+    is no checkout is refused by name."""
     from experiments import native_kernel_ab
 
     if cpu_native.load() is None:
@@ -487,12 +487,14 @@ def test_native_kernel_ab_times_both_checkouts_on_the_same_results(tmp_path):
     base.mkdir(parents=True)
     source = Path(cpu_native.__file__).read_text()
     (base / "cpu_native.py").write_text(source.replace("def top_ascending(", "def _no_top_ascending(")
-                                        .replace("def decode_attention(", "def _no_decode_attention("))
+                                        .replace("def decode_attention(", "def _no_decode_attention(")
+                                        .replace("def page_scores(", "def _no_page_scores("))
+    (base.parent / "tiers.py").write_text((Path(cpu_native.__file__).parent.parent / "tiers.py").read_text())
     result = native_kernel_ab.main(["--base", str(tmp_path / "base"), "--contexts", "256", "--rounds", "1",
                                     "--calls", "2", "--out", str(tmp_path / "out")])
     times = result["contexts"][256]
     assert set(times) == {"quant_attention 2-bit", "quant_attention 4-bit", "quant_key_logits 2-bit", "top-k ascending",
-                          "decode attention", "decode attention + weights"}
+                          "decode attention", "decode attention + weights", "page scores", "disk gather"}
     assert all(len(t["this"]) == len(t["base"]) == 1 and min(t["this"] + t["base"]) > 0 for t in times.values())
     assert (tmp_path / "out" / "native_kernel_ab.json").is_file()
     with pytest.raises(SystemExit, match="not a kvcomp checkout"):

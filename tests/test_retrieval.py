@@ -13,7 +13,7 @@ from kvcomp import CompressedCache, CompressorError, generate
 from kvcomp.compressor import LayerContext
 from kvcomp.ops import AttentionSpec
 from kvcomp.retrieval import _members, retrieval_stats
-from kvcomp.tiers import shared_worker
+from kvcomp.tiers import BLOCK, shared_worker
 from tests.helpers import CONTEXTS, QUESTIONS
 from tests.test_compression import reference_generate
 
@@ -218,12 +218,13 @@ def test_resident_bytes_match_the_formula(make):
     fetch += b * h * 3 * 8  # and its int64 unit index
     prev_q = b * h * 2 * d * s
     full_res = 2 * b * h * (4 + recent) * d * s
-    assert c.nbytes(state) == {"device": summary + full_res + fetch + prev_q + 2 * b * h * 200 * d * s,
-                               "host": 0, "disk": 0}  # the ram tier's 200 tokens are on the device too
+    tier = 2 * b * h * math.ceil(200 / BLOCK) * BLOCK * d * s  # the ram tier's 200 tokens, in whole blocks, are
+    assert c.nbytes(state) == {"device": summary + full_res + fetch + prev_q + tier,  # on the device too
+                               "host": 0, "disk": 0}
     if make is SpeCache:  # by default it does not prefetch over this CPU's memory: no buffer, no last query
         default = make(**kw)
         assert default.nbytes(default.prefill(0, q, k, v, ctx)) == {
-            "device": summary + full_res + 2 * b * h * 200 * d * s, "host": 0, "disk": 0}
+            "device": summary + full_res + tier, "host": 0, "disk": 0}
 
 
 def test_disk_files_are_removed_when_the_cache_is_freed_and_on_exceptions(tiny, tmp_path):

@@ -35,13 +35,17 @@ def test_write_append_read_gather_round_trip_exactly(tier, dtype):
         k1, v1 = kv(1 + step % 3, step + 1, dtype)
         tier.append(0, k1, v1)
         blocks.append((k1, v1))
+    k1, v1 = kv(700, 999, dtype)  # starts inside a block and spans two write chunks of whole blocks
+    tier.append(0, k1, v1)
+    blocks.append((k1, v1))
     keys = torch.cat([b[0] for b in blocks], dim=2)
     values = torch.cat([b[1] for b in blocks], dim=2)
     assert tier.length(0) == keys.shape[2]
     k, v = tier.read(0)
     assert k.dtype == dtype and torch.equal(k, keys) and torch.equal(v, values)
-    k, v = tier.read(0, 17, 123)
-    assert torch.equal(k, keys[:, :, 17:123]) and torch.equal(v, values[:, :, 17:123])
+    for start, stop in ((17, 123), (32, 64), (33, 34), (600, 1200)):
+        k, v = tier.read(0, start, stop)
+        assert torch.equal(k, keys[:, :, start:stop]) and torch.equal(v, values[:, :, start:stop])
     index = torch.randint(0, keys.shape[2], (B, H, 11), generator=torch.Generator().manual_seed(9))
     k, v = tier.gather(0, index)
     assert torch.equal(k, keys.gather(2, index[..., None].expand(-1, -1, -1, D)))
@@ -93,12 +97,15 @@ def test_crop_keeps_prefix_and_appends_after_it(tier):
 
 def test_layers_are_independent_and_nbytes_is_allocated_capacity():
     tier = RamTier()
+    block = tiers.BLOCK  # storage is allocated a block of tokens at a time
     tier.write(0, *kv(10, 6))
-    tier.write(5, *kv(4, 7))
+    tier.write(5, *kv(block + 4, 7))
     assert tier.layers == [0, 5]
-    assert tier.nbytes() == (10 + 4) * B * H * 2 * D * 4
+    assert tier.nbytes() == (block + 2 * block) * B * H * 2 * D * 4
+    tier.append(5, *kv(block - 4, 8))  # fills the second block of layer 5: nothing allocated
+    assert tier.nbytes() == 3 * block * B * H * 2 * D * 4
     tier.append(5, *kv(1, 8))  # grows by at least 256 tokens
-    assert tier.nbytes() == (10 + 4 + 256) * B * H * 2 * D * 4
+    assert tier.nbytes() == (block + 2 * block + 256) * B * H * 2 * D * 4
     tier.free(0)
     assert tier.layers == [5]
     assert isinstance(tier, Tier) and tier.kind == "device" and HostTier.kind == "host" and DiskTier.kind == "disk"
@@ -109,7 +116,7 @@ def test_disk_tier_files_are_removed_on_free_close_and_context_exit(tmp_path):
     tier.write(0, *kv(8, 0))
     tier.write(1, *kv(8, 1))
     assert sorted(os.listdir(tier.path)) == ["layer0.kv", "layer1.kv", "owner.lock"]
-    assert os.path.getsize(tier.file(0)) == 8 * B * H * 2 * D * 4 == tier.nbytes() // 2
+    assert os.path.getsize(tier.file(0)) == tiers.BLOCK * B * H * 2 * D * 4 == tier.nbytes() // 2  # one block
     tier.free(0)
     assert sorted(os.listdir(tier.path)) == ["layer1.kv", "owner.lock"]
     tier.close()

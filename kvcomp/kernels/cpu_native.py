@@ -850,7 +850,7 @@ void evict_lowest_f32(const float* scores, int64_t sb, int64_t sh, const int32_t
 /* Rows `flat` (n of them, `row` bytes each; row r at byte offset r * row of the file `fd`) into out, row after
    row, through the page cache without mapping the file. Rows of ascending indices at most `gap` bytes apart
    whose span fits `bounce` (`size` bytes) are one pread into it, then copied out (one read of a few large spans
-   costs less than many small ones, or one preadv of many pieces). Returns 0, -errno of a failed read, or -EIO
+   costs less than many small ones, or one preadv of many pieces); consecutive rows are read into out directly. Returns 0, -errno of a failed read, or -EIO
    for a short one. */
 int64_t pread_rows(int fd, const int64_t* flat, int64_t n, int64_t row, char* out, char* bounce, int64_t size,
                    int64_t gap) {
@@ -861,7 +861,8 @@ int64_t pread_rows(int fd, const int64_t* flat, int64_t n, int64_t row, char* ou
                && (flat[j + 1] - flat[i] + 1) * row <= size)
             j++;
         const int64_t want = (flat[j] - flat[i] + 1) * row;
-        char* dst = j == i ? out + i * row : bounce;
+        const int direct = flat[j] - flat[i] == j - i;  /* consecutive rows: read straight into out */
+        char* dst = direct ? out + i * row : bounce;
         int64_t done = 0;
         while (done < want) {
             const ssize_t got = pread(fd, dst + done, (size_t)(want - done), (off_t)(flat[i] * row + done));
@@ -870,7 +871,7 @@ int64_t pread_rows(int fd, const int64_t* flat, int64_t n, int64_t row, char* ou
             if (got == 0) return -EIO;
             done += got;
         }
-        if (j > i)
+        if (!direct)
             for (int64_t r = i; r <= j; r++) memcpy(out + r * row, bounce + (flat[r] - flat[i]) * row, (size_t)row);
         i = j + 1;
     }
