@@ -850,8 +850,8 @@ void evict_lowest_f32(const float* scores, int64_t sb, int64_t sh, const int32_t
 /* Rows `flat` (n of them, `row` bytes each; row r at byte offset r * row of the file `fd`) into out, row after
    row, through the page cache without mapping the file. Rows of ascending indices at most `gap` bytes apart
    whose span fits `bounce` (`size` bytes) are one pread into it, then copied out (one read of a few large spans
-   costs less than many small ones, or one preadv of many pieces); consecutive rows are read into out directly. Returns 0, -errno of a failed read, or -EIO
-   for a short one. */
+   costs less than many small ones, or one preadv of many pieces); consecutive rows are read into out directly.
+   Returns 0, -errno of a failed read, or -EIO for a short one. */
 int64_t pread_rows(int fd, const int64_t* flat, int64_t n, int64_t row, char* out, char* bounce, int64_t size,
                    int64_t gap) {
     int64_t i = 0;
@@ -1255,7 +1255,7 @@ READ_GAP = 1 << 14  # bytes between two wanted rows read along with them rather 
 
 def pread_rows(fd: int, flat: torch.Tensor, row_bytes: int, out: torch.Tensor) -> bool:
     """Rows ``flat`` (int64 row indices; row ``r`` is bytes ``[r * row_bytes, (r + 1) * row_bytes)`` of the open
-    file ``fd``) into ``out`` (``len(flat)`` rows of ``row_bytes``, contiguous, CPU), with ``preadv``: the
+    file ``fd``) into ``out`` (``len(flat)`` rows of ``row_bytes``, contiguous, CPU), with ``pread``: the
     page cache's bytes are copied, nothing is mapped into this process. Rows of ascending indices close together
     share one read. False (nothing read) when the kernel is off or unavailable; ``OSError`` when a read fails."""
     if not (enabled() and out.device.type == "cpu" and out.is_contiguous() and flat.device.type == "cpu"
