@@ -80,6 +80,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from kvcomp.kernels import cpu_native
 from kvcomp.validation import ResourceError
 
 TIER_KINDS = ("ram", "host", "disk")
@@ -565,10 +566,9 @@ class DiskTier(Tier):
         return self._map(layer, blocks, tail, dtype, create=False)
 
     def _gather_rows(self, layer, rows, flat, out):
-        # With preadv the page cache's bytes are copied without mapping them (faulting pages in, then unmapping
-        # them, cost 4x the copy: 222 against 53 us per layer for FreeKV's 2K step on SmolLM2).
-        from kvcomp.kernels import cpu_native  # (it imports kvcomp.files, which imports this module's users)
-
+        # pread copies the page cache's bytes without mapping them. Faulting the mapping's pages in and dropping
+        # them again at every fetch took about 1.5x as long on this layout (FreeKV's fetches over 30 layers of
+        # SmolLM2 at 2K, KVCOMP_NATIVE=0 against 1); KVCOMP_NATIVE=0 or no compiler still reads that way.
         row_bytes = rows[0].numel() * rows.element_size()
         fd = os.open(self.file(layer), os.O_RDONLY | os.O_NOFOLLOW)
         try:
