@@ -18,70 +18,16 @@ import torch
 
 from kvcomp import validation
 from kvcomp.compressor import Capabilities
-from kvcomp.ops import AttentionSpec, attention_probs, reach, rows_per_chunk, visible
+from kvcomp.ops import received_attention
 from kvcomp.selection import TokenSelection, TokenStore, recent_mask
-
-
-def accumulated_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, q_real: torch.Tensor,
-                          k_pos: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """Attention each key receives (the layer's own: causal, window, soft-cap, sinks), summed over the real
-    queries and the query group.
-
-    q: [B, H_q, n, D], k: [B, H_kv, L, D], q_pos / q_real: [B, n] positions / real-token flags of the
-    queries, k_pos: [B, H_kv, L] (SENTINEL = padding) -> [B, H_kv, L] float32.
-    Queries go in chunks, each against the keys up to the last one it can see, so the ``n x L`` matrix
-    is never whole and the causal upper triangle is mostly skipped.
-    """
-    b, hq, n, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
-    g = hq // hkv
-    total = torch.zeros(b, hkv, length, dtype=torch.float32, device=q.device)
-    chunk = rows_per_chunk(b * hq, length)
-    if spec.plain and spec.window is None and n == length and bool(q_real.all()) and bool(
-            (k_pos == q_pos.view(b, 1, n)).all()):
-        return _causal_prompt_attention(q, k, q_pos, k_pos, spec.scaling, total, chunk)
-    q_real = q_real.float()
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        m = stop - start
-        # Slots some query of the chunk can see: a sliding layer touches a band of keys, not every earlier one.
-        lo, hi = reach(q_pos[:, start:stop], k_pos, spec.window)
-        qc = q[:, :, start:stop].reshape(b, hkv, g * m, d)
-        allowed = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, lo:hi], spec.window)
-        allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding queries: finite, then zero-weighted
-        allowed = allowed.expand(b, hkv, g, m, hi - lo).reshape(b, hkv, g * m, hi - lo)
-        probs = attention_probs(qc, k[:, :, lo:hi], allowed, spec, spec.grouped_sinks(hkv, m, q.device))
-        # Sum over the group and the real queries as one batched matmul (einsum here was ~30x slower on CPU).
-        weights = q_real[:, start:stop].view(b, 1, 1, m).expand(b, hkv, g, m).reshape(b, hkv, 1, g * m)
-        total[..., lo:hi] += torch.matmul(weights, probs).view(b, hkv, hi - lo)
-    return total
-
-
-def _causal_prompt_attention(q, k, q_pos, k_pos, scaling: float, total: torch.Tensor, chunk: int) -> torch.Tensor:
-    """:func:`accumulated_attention` of an unpadded prompt over its own keys on a plain full-attention layer
-    (the common prefill): every key before a query chunk is visible to all of it, so only the chunk's diagonal
-    block is masked (by :func:`kvcomp.ops.visible`), the scale is folded into the queries and the softmax is
-    torch's own. ~2.5x faster than the general path at 4K tokens, which builds and applies a mask over every
-    key of every chunk."""
-    b, hq, n, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        m = stop - start
-        qc = (q[:, :, start:stop] * scaling).reshape(b, hkv, g * m, d)
-        logits = torch.matmul(qc, k[:, :, :stop].transpose(-1, -2)).float()  # [B, H_kv, G * m, stop]
-        hidden = ~visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, start:stop])
-        logits[..., start:stop].view(b, hkv, g, m, m).masked_fill_(hidden, float("-inf"))
-        total[..., :stop] += logits.softmax(-1).sum(2)
-    return total
 
 
 @dataclass
 class H2O(TokenSelection):
     recent_fraction: float = 0.5
 
-    capabilities: ClassVar[Capabilities] = Capabilities(decode_time=True, needs_attention_weights=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(decode_time=True, needs_attention_weights=True,
+                                                        prefill_received=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,10 +41,14 @@ class H2O(TokenSelection):
 
     def prefill_stats(self, q, k, v, ctx):
         # Every prompt token gets its accumulated attention, also when nothing is evicted yet, so that
-        # decode-time eviction starts from the prompt's statistics. It is the same for every budget: a sweep
-        # sharing one prefill (kvcomp.shared_prefill) computes it once per layer.
+        # decode-time eviction starts from the prompt's statistics. A prefill computes it in its own attention
+        # pass (ctx.received, see Capabilities.prefill_received); a sweep sharing one prefill
+        # (kvcomp.shared_prefill) computes it once per layer for every budget.
+        if ctx.received is not None:
+            return ctx.received
+
         def accumulate():
-            return accumulated_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions, ctx.spec)
+            return received_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions, ctx.spec)[0]
 
         if ctx.shared is None:
             return accumulate()

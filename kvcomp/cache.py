@@ -15,6 +15,7 @@ sliding layer holds. ``memory_factor`` is relative to what transformers' own cac
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvcomp import host, metrics
 from kvcomp.attention import install, layer_specs, set_active, take_input_ids
 from kvcomp.compressor import SENTINEL, Compressor, CompressorError, LayerContext
-from kvcomp.ops import AttentionSpec, dense_attention
+from kvcomp.ops import AttentionSpec, dense_attention, received_attention
 from kvcomp.selection import WindowStore
 
 
@@ -208,7 +209,11 @@ class CompressedLayer(CacheLayerMixin):
             self._check_continues(position_ids, valid)
         ctx = self.context(query.shape[1], k, position_ids, valid, all_real)
         if self.state is None:
-            out, _ = dense_attention(query, k, v, position_ids, ctx.positions, self.spec)
+            if self.compressor.capabilities.prefill_received:
+                received, out = received_attention(query, k, position_ids, valid, ctx.positions, self.spec, v)
+                ctx = dataclasses.replace(ctx, received=received)
+            else:
+                out, _ = dense_attention(query, k, v, position_ids, ctx.positions, self.spec)
             self.build(query, k, v, ctx)
             return out
         self.state = self.compressor.append(self.layer_idx, self.state, k, v, ctx)

@@ -65,6 +65,9 @@ class Capabilities:
     needs_calibration: bool = False
     query_aware: bool = False  # scores tokens with the queries of the compressed prompt itself
     supports_batch: bool = True
+    # The prefill hook gets ``ctx.received``: the attention each prompt key receives, from the prefill's own
+    # attention pass (:func:`kvcomp.ops.received_attention`) instead of a second pass over the prompt (H2O).
+    prefill_received: bool = False
     # What a decode step leaves in the state depends on that step's queries or attention (statistics, evictions
     # by attention, retrieval); None: whenever the method is decode_time or needs attention weights. A method
     # that only re-encodes K/V while decoding (quantization's residual flush) declares False.
@@ -121,6 +124,10 @@ class LayerContext:
     with ids (KVzip re-reads the prompt); None otherwise.
     all_real: every token of this block is real (no padding), known on the host; False when it is not known.
     A decode step uses it to skip checks that would read a tensor back (a host synchronisation per layer).
+    received: ``[B, H_kv, n]`` float32 attention each token of this block received from the block's real
+    queries, summed over its query group (:func:`kvcomp.ops.received_attention`): set on a prefill for a
+    compressor whose capabilities ask for it (``prefill_received``), computed in the prefill's attention pass;
+    None otherwise.
     """
 
     layer: int
@@ -136,6 +143,7 @@ class LayerContext:
     next_position: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
     all_real: bool = False
+    received: torch.Tensor | None = None
 
     @property
     def scaling(self) -> float:
@@ -317,6 +325,7 @@ class Compose(Compressor):
             needs_calibration=any(c.needs_calibration for c in caps),
             query_aware=any(c.query_aware for c in caps),
             supports_batch=all(c.supports_batch for c in caps),
+            prefill_received=caps[0].prefill_received,  # the first stage's prefill sees the prompt's own block
             decode_uses_queries=last.state_uses_queries,
         )
 
@@ -341,7 +350,7 @@ class Compose(Compressor):
         state = self.stages[0].prefill(layer, q, k, v, ctx)
         for prev, stage in zip(self.stages, self.stages[1:]):
             k, v, positions = prev.materialize(state)
-            ctx = dataclasses.replace(ctx, positions=positions.long())
+            ctx = dataclasses.replace(ctx, positions=positions.long(), received=None)
             state = stage.prefill(layer, q, k, v, ctx)
         return state
 

@@ -1,7 +1,8 @@
 """Tensor ops that every path computing attention or attention scores shares.
 
 One rule for which keys a query sees (:func:`visible`), one place for logit soft-capping (:func:`softcap`) and
-attention sinks (:func:`softmax`), and dense attention over kept K/V (:func:`dense_attention`). Dense attention,
+attention sinks (:func:`softmax`), dense attention over kept K/V (:func:`dense_attention`) and the attention
+each key receives (:func:`received_attention`). Dense attention,
 the selection scorers, the kernels' torch implementations, KVTC's online softmax, retrieval and lossless
 verification all go through these; the C and Triton kernels implement the same formulas and are tested
 against them. This module imports nothing of kvcomp and nothing of transformers.
@@ -189,6 +190,81 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
             outs.append(F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=spec.scaling))
     out = torch.cat([o.view(b, hkv, g, -1, d) for o in outs], dim=3).reshape(b, hq, n, d)
     return out, (torch.cat(weights, dim=3) if need_weights else None)
+
+
+def received_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, q_real: torch.Tensor,
+                       k_pos: torch.Tensor, spec: AttentionSpec, v: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention each key receives (the layer's own: causal, window, soft-cap, sinks), summed over the real
+    queries and the query group (H2O's statistic), and, given ``v``, the attention output of the same
+    probabilities: what :func:`dense_attention` returns, to float rounding, from one pass instead of two.
+
+    q: [B, H_q, n, D], k (and v): [B, H_kv, L, D], q_pos / q_real: [B, n] positions / real-token flags of the
+    queries, k_pos: [B, H_kv, L] (SENTINEL = padding) -> (received [B, H_kv, L] float32, out [B, H_q, n, D] or
+    None). Queries go in chunks, each against the keys up to the last one it can see, so the ``n x L`` matrix is
+    never whole and the causal upper triangle is mostly skipped.
+    """
+    b, hq, n, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    g = hq // hkv
+    received = torch.zeros(b, hkv, length, dtype=torch.float32, device=q.device)
+    out = None if v is None else torch.empty(b, hkv, g, n, d, dtype=v.dtype, device=q.device)
+    if spec.plain and spec.window is None and n == length and bool(q_real.all()) and bool(
+            (k_pos == q_pos.view(b, 1, n)).all()):
+        _causal_prompt_received(q, k, v, q_pos, k_pos, spec.scaling, received, out)
+    else:
+        weights = q_real.float()
+        chunk = rows_per_chunk(b * hq, length)
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            m = stop - start
+            # Slots some query of the chunk can see: a sliding layer touches a band of keys, not every earlier one.
+            lo, hi = reach(q_pos[:, start:stop], k_pos, spec.window)
+            qc = q[:, :, start:stop].reshape(b, hkv, g * m, d)
+            allowed = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, lo:hi], spec.window)
+            allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding queries: finite, then zero-weighted
+            allowed = allowed.expand(b, hkv, g, m, hi - lo).reshape(b, hkv, g * m, hi - lo)
+            probs = attention_probs(qc, k[:, :, lo:hi], allowed, spec, spec.grouped_sinks(hkv, m, q.device))
+            # Sum over the group and the real queries as one batched matmul (einsum here was ~30x slower on CPU).
+            rows = weights[:, start:stop].view(b, 1, 1, m).expand(b, hkv, g, m).reshape(b, hkv, 1, g * m)
+            received[..., lo:hi] += torch.matmul(rows, probs).view(b, hkv, hi - lo)
+            if out is not None:
+                out[:, :, :, start:stop] = torch.matmul(probs.to(v.dtype), v[:, :, lo:hi]).view(b, hkv, g, m, d)
+    return received, (None if out is None else out.view(b, hq, n, d))
+
+
+_PROMPT_QUERIES = 64  # queries per chunk of an unpadded causal prompt (of 16-512, fastest at 2K and 8K on a CPU)
+
+
+def _causal_prompt_received(q, k, v, q_pos, k_pos, scaling: float, received: torch.Tensor,
+                            out: torch.Tensor | None) -> None:
+    """:func:`received_attention` of an unpadded prompt over its own keys on a plain full-attention layer (the
+    common prefill), into ``received`` and ``out`` (``[B, H_kv, G, n, D]``, or None): every key before a query
+    chunk is visible to all of it, so only the chunk's diagonal block is masked, the scale is folded into the
+    queries, and the logits and probabilities go to two buffers allocated once. ~2.5x faster than the general
+    path at 4K tokens; with ``out``, 1.5x faster than sdpa's attention plus the statistic alone at 2K-8K."""
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    chunk = min(_PROMPT_QUERIES, rows_per_chunk(b * hq, n))
+    logits_buffer = torch.empty(b * hq * chunk * n, dtype=torch.float32, device=q.device)
+    probs_buffer = torch.empty_like(logits_buffer)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        m = stop - start
+        qc = (q[:, :, start:stop] * scaling).reshape(b, hkv, g * m, d)
+        logits = logits_buffer[: b * hq * m * stop].view(b, hkv, g * m, stop)
+        if q.dtype == torch.float32:
+            torch.matmul(qc, k[:, :, :stop].transpose(-1, -2), out=logits)
+        else:
+            logits.copy_(torch.matmul(qc, k[:, :, :stop].transpose(-1, -2)))
+        hidden = ~visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, start:stop])
+        logits[..., start:stop].view(b, hkv, g, m, m).masked_fill_(hidden, float("-inf"))
+        probs = probs_buffer[: logits.numel()].view_as(logits)
+        torch.softmax(logits, -1, out=probs)
+        received[..., :stop] += probs.sum(2)
+        if out is not None:
+            out[:, :, :, start:stop] = torch.matmul(probs.to(v.dtype), v[:, :, :stop]).view(b, hkv, g, m, d)
 
 
 # -- slots ------------------------------------------------------------------------------------------------------

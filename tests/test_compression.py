@@ -7,7 +7,6 @@ import torch
 
 import kvcomp
 from compressors.h2o import H2O
-from compressors.h2o import _causal_prompt_attention as _fast_path
 from compressors.snapkv import SnapKV
 from compressors.streaming_llm import StreamingLLM
 from kvcomp import Compose, CompressedCache, CompressorError, generate
@@ -153,7 +152,7 @@ def test_snapkv_keeps_observation_window(tiny):
 
 def test_h2o_keeps_heavy_hitters(tiny):
     """The kept non-recent tokens are the ones with the largest accumulated attention."""
-    from compressors.h2o import accumulated_attention
+    from kvcomp.ops import received_attention
 
     model, _ = tiny
     ids = torch.randint(10, 40000, (1, 48), generator=torch.Generator().manual_seed(5))
@@ -162,8 +161,8 @@ def test_h2o_keeps_heavy_hitters(tiny):
 
     def spy(self, layer, q, k, v, ctx):
         if layer == 0:
-            captured["scores"] = accumulated_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions,
-                                                       ctx.spec)
+            captured["scores"] = received_attention(q, k, ctx.query_positions, ctx.query_valid, ctx.positions,
+                                                    ctx.spec)[0]
         return original(self, layer, q, k, v, ctx)
 
     H2O.prefill = spy
@@ -180,17 +179,20 @@ def test_h2o_keeps_heavy_hitters(tiny):
         assert kept - recent == set(heavy)
 
 
-@pytest.mark.parametrize("case", ["prompt", "padded", "window", "softcap"])
-def test_accumulated_attention_equals_the_dense_probabilities(monkeypatch, case):
+@pytest.mark.parametrize("with_values", [False, True])
+@pytest.mark.parametrize("case", ["prompt", "padded", "window", "softcap", "sinks"])
+def test_received_attention_equals_the_dense_probabilities(monkeypatch, case, with_values):
     """H2O's prompt statistics equal the column sums of the whole probability matrix (the layer's visibility,
-    softcap; padding queries weigh nothing), on the fast path of an unpadded causal prompt (300 queries: two
-    chunks, the second partial) and on the general one."""
-    import compressors.h2o as h2o
-    from kvcomp.ops import SENTINEL, AttentionSpec, softcap, visible
+    softcap, sinks; padding queries weigh nothing), and the attention output of the same pass equals dense
+    attention's, on the fast path of an unpadded causal prompt (300 queries: five chunks, the last partial) and
+    on the general one."""
+    import kvcomp.ops as ops
+    from kvcomp.ops import SENTINEL, AttentionSpec, dense_attention, softcap, softmax, visible
 
     gen = torch.Generator().manual_seed(11)
     b, hq, hkv, n, d = 2, 6, 2, 300, 8
     q, k = torch.randn(b, hq, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen)
+    v = torch.randn(b, hkv, n, d, generator=gen)
     q_pos = torch.arange(n).repeat(b, 1)
     q_real = torch.ones(b, n, dtype=torch.bool)
     if case == "padded":  # row 1 left-padded by 40
@@ -198,18 +200,65 @@ def test_accumulated_attention_equals_the_dense_probabilities(monkeypatch, case)
         q_real[1, :40] = False
     k_pos = q_pos.masked_fill(~q_real, SENTINEL).to(torch.int32).view(b, 1, n).expand(b, hkv, n).contiguous()
     spec = AttentionSpec(scaling=d ** -0.5, window=50 if case == "window" else None,
-                         softcap=2.0 if case == "softcap" else None)
+                         softcap=2.0 if case == "softcap" else None,
+                         sinks=torch.linspace(-1, 1, hq) if case == "sinks" else None)
     fast = []
-    monkeypatch.setattr(h2o, "_causal_prompt_attention", lambda *a: fast.append(1) or _fast_path(*a))
-    got = h2o.accumulated_attention(q, k, q_pos, q_real, k_pos, spec)
+    original = ops._causal_prompt_received
+    monkeypatch.setattr(ops, "_causal_prompt_received", lambda *a: fast.append(1) or original(*a))
+    got, out = ops.received_attention(q, k, q_pos, q_real, k_pos, spec, v if with_values else None)
     assert bool(fast) == (case == "prompt")
 
     g = hq // hkv
     logits = softcap(torch.einsum("bhgqd,bhkd->bhgqk", q.view(b, hkv, g, n, d), k) * spec.scaling, spec.softcap)
     seen = visible(q_pos[:, None, None, :, None], k_pos[:, :, None, None, :], spec.window)
-    probs = logits.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
+    sinks = None if spec.sinks is None else spec.sinks.view(1, hkv, g, 1, 1)
+    probs = softmax(logits.masked_fill(~seen, float("-inf")), sinks).nan_to_num(0.0)
     want = (probs * q_real[:, None, None, :, None]).sum((2, 3))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if not with_values:
+        assert out is None
+        return
+    dense, _ = dense_attention(q, k, v, q_pos, k_pos, spec)
+    real = q_real[:, None, :, None].expand(b, hq, n, d)  # a padding query's output is never used
+    torch.testing.assert_close(out[real], dense[real], rtol=1e-5, atol=1e-5)
+    want_out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v).reshape(b, hq, n, d)
+    torch.testing.assert_close(out[real], want_out[real], rtol=1e-5, atol=1e-5)
+
+
+def test_h2o_prefill_takes_its_statistic_from_the_attention_pass(tiny, monkeypatch):
+    """H2O's prefill gets its accumulated attention from the prefill's own attention pass (no second pass over
+    the prompt), and builds the same cache and the same tokens as with the separate pass."""
+    import compressors.h2o as h2o
+    import kvcomp.cache
+
+    model, tokenizer = tiny
+    ids = torch.randint(10, 40000, (2, 40), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # row 1 left-padded: the general path
+    calls = {"pass": 0, "separate": 0}
+    in_pass, separate = kvcomp.cache.received_attention, h2o.received_attention
+    monkeypatch.setattr(kvcomp.cache, "received_attention",
+                        lambda *a: calls.__setitem__("pass", calls["pass"] + 1) or in_pass(*a))
+    monkeypatch.setattr(h2o, "received_attention",
+                        lambda *a: calls.__setitem__("separate", calls["separate"] + 1) or separate(*a))
+
+    def run():
+        cache = CompressedCache(model, H2O(budget=16, recent_fraction=0.5))
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=6,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        return cache, out
+
+    fused, fused_out = run()
+    layers = model.config.num_hidden_layers
+    assert calls == {"pass": layers, "separate": 0}
+    monkeypatch.setattr(H2O, "capabilities", dataclasses.replace(H2O.capabilities, prefill_received=False))
+    apart, apart_out = run()
+    assert calls == {"pass": layers, "separate": layers}
+    assert torch.equal(fused_out, apart_out)
+    for a, b in zip(fused.layers, apart.layers):
+        assert torch.equal(a.state.positions, b.state.positions)
+        torch.testing.assert_close(a.state.scores, b.state.scores, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.state.keys, b.state.keys, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", SELECTION_METHODS)

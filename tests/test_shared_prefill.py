@@ -40,13 +40,13 @@ def test_shared_prefill_equals_one_prefill_per_compressor(tiny64, query_aware, r
 def test_h2o_budgets_share_one_accumulated_attention_per_layer(tiny64, monkeypatch):
     model, tokenizer = tiny64
     calls = []
-    original = compressors.h2o.accumulated_attention
+    original = compressors.h2o.received_attention
 
     def counting(*args):
         calls.append(args)
         return original(*args)
 
-    monkeypatch.setattr(compressors.h2o, "accumulated_attention", counting)
+    monkeypatch.setattr(compressors.h2o, "received_attention", counting)
     pre = prefill(model, [split_prompt(tokenizer, CONTEXTS[0], QUESTIONS[0])], query_aware=False)
     layers = model.config.num_hidden_layers
     for ratio in (0.5, 0.75, 0.9):
@@ -54,10 +54,10 @@ def test_h2o_budgets_share_one_accumulated_attention_per_layer(tiny64, monkeypat
     assert len(calls) == layers
     # What the reuse saved is counted into the later compressors' prefill cost, once per reuse.
     assert all(w._values and w.saved_seconds > 0 for w in pre.shared.values())
-    # A prefill of its own (no SharedWork) computes it every time.
+    # A prefill of its own (no SharedWork) takes it from its attention pass (ctx.received): no separate pass.
     parts = [split_prompt(tokenizer, CONTEXTS[0], QUESTIONS[0])]
     generate_ids(model, parts, H2O(compression_ratio=0.5), max_new_tokens=4)
-    assert len(calls) == 2 * layers
+    assert len(calls) == layers
 
 
 def test_prefill_rejects_empty_prompts(tiny):
