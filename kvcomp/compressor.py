@@ -18,6 +18,10 @@ holding that layer's KV in whatever form it stores it; the framework (``kvcomp.c
 ``restored(layer, state, convert)``            a state read back from a store, before it serves (optional)
 =============================================  ===============================================================
 
+A method that needs the attention each prompt key receives (H2O) declares ``Capabilities.prefill_received``:
+the prefill's attention pass then computes it from the same probabilities as its output and hands it over as
+``ctx.received`` (one pass over the prompt instead of two).
+
 Shapes: ``q`` is ``[B, H_q, n, D]``; ``k``/``v`` are ``[B, H_kv, n, D]`` (one entry per KV head, never per
 query head); positions are ``[B, H_kv, n]`` original token positions, ``SENTINEL`` marking padding.
 
