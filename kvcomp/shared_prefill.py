@@ -9,7 +9,9 @@ prefill per prompt, not N. :func:`prefill` runs it once and records each layer's
 decodes greedily. The output is token-identical to :func:`kvcomp.generation.generate_ids` (tested for every
 compressor), because the compressor sees the same tensors. What a compressor derives from a layer's records
 alone (H2O's accumulated attention, the same for every budget) goes through ``ctx.shared``
-(:class:`~kvcomp.compressor.SharedWork`, one per layer), so a sweep computes it once.
+(:class:`~kvcomp.compressor.SharedWork`, one per layer), so a sweep computes it once. (The recorder runs plain
+dense attention, so H2O's statistic is a separate pass here; H2O's own prefill takes it from its attention
+pass, ``Capabilities.prefill_received``, and costs less than the ``prefill_seconds`` reported from here.)
 
 Cost: the records hold every layer's ``q``, ``k`` and ``v`` of the prefilled block at once,
 ``layers x tokens x (H_q + 2 H_kv) x D x dtype bytes`` (about 470 MB for the embedded model at 4K tokens in
