@@ -2,10 +2,10 @@
 
 One rule for which keys a query sees (:func:`visible`), one place for logit soft-capping (:func:`softcap`) and
 attention sinks (:func:`softmax`), dense attention over kept K/V (:func:`dense_attention`) and the attention
-each key receives (:func:`received_attention`). Dense attention,
-the selection scorers, the kernels' torch implementations, KVTC's online softmax, retrieval and lossless
-verification all go through these; the C and Triton kernels implement the same formulas and are tested
-against them. This module imports nothing of kvcomp and nothing of transformers.
+each key receives (:func:`received_attention`). Dense attention, the selection scorers, the kernels' torch
+implementations, KVTC's online softmax, retrieval and lossless verification all go through these; the C and
+Triton kernels implement the same formulas and are tested against them. This module imports nothing of kvcomp
+and nothing of transformers.
 
 Positions, not slot indices, decide visibility: a compressed cache keeps tokens that are not contiguous, so a
 key at original position ``k_pos`` is visible to a query at ``q_pos`` when ``q_pos - window < k_pos <= q_pos``
