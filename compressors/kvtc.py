@@ -9,7 +9,10 @@ tokens stay in full precision. Whenever the window reaches ``window + block_size
 model's ``inv_freq``/``attention_scaling`` from the artifact), keys and values are projected on their layer's
 and KV head's PCA basis, each group of ``group_size`` components is quantized with the quantizer option (a
 stored width of 0, 2, 4 or 8 bits and a calibrated step) the DP chose, and the block's codes are appended to
-the live codes (below). Prefill codes every whole block beyond the window at once.
+the live codes (below). Prefill codes every whole block beyond the window at once. ``keys="post_rope"`` codes
+the keys as the cache holds them, with RoPE, on bases calibrated that way (``kvcomp calibrate kvtc --keys
+post_rope``; "Key space" in :mod:`kvcomp.kvtc_calibration`): a worse rate-distortion, and a decode step that
+projects each query on the key basis once instead of rebuilding every key.
 
 Rate. ``compression_factor`` is the target for the coded tokens over the uncompressed cache in the run's
 dtype: the DP (:func:`kvcomp.kvtc_calibration.allocate`) gives keys and values of each KV head
@@ -40,7 +43,9 @@ matmul of the codes with the basis (dequantization folded in, ``codes @ weight +
 cos/sin table indexed by position; values stay coefficients, the online softmax applies its probabilities to
 them and projects the ``[B, H_kv, G * n, S]`` result once (cheap for a few queries, instead of reconstructing
 every value). Then the sinks and the window. The keys' matmul is the floor of a step: the PCA basis is fitted
-to keys without RoPE, so every key is rebuilt (``S x D`` multiply-adds) before its rotation.
+to keys without RoPE, so every key is rebuilt (``S x D`` multiply-adds) before its rotation. With
+``keys="post_rope"`` nothing is rotated and the C kernel takes each key's logit as ``q . offset + codes . (W q)``
+(``S`` multiply-adds per key and query row).
 :meth:`KVTC.materialize` (for composition after KVTC and for tests) does reconstruct everything at once.
 
 Composition. Token selection before KVTC (``Compose(SnapKV(0.5), KVTC())``) hands over each KV head's kept
@@ -106,6 +111,7 @@ class KVTC(Compressor):
     window: int = 128
     block_size: int = 64
     group_size: int = 4  # principal components per DP group
+    keys: str = "pre_rope"  # "post_rope": keys coded with their RoPE, decoded without rebuilding them
 
     capabilities: ClassVar[Capabilities] = Capabilities(lossy=True, decode_time=True, needs_calibration=True,
                                                         decode_uses_queries=False)
@@ -119,10 +125,11 @@ class KVTC(Compressor):
         validation.positive_int("block_size", self.block_size, high=512, owner=self,
                                 hint=" tokens (2-byte segment lengths)")
         validation.positive_int("group_size", self.group_size, owner=self, hint=" (principal components per DP group)")
+        validation.choice("keys", self.keys, calibration.KEY_SPACES, owner=self)
         self._calibration: calibration.Calibration | None = None
         self._codecs: dict = {}
         if self.artifact is not None:
-            self._calibration = calibration.load_artifact(self.artifact)
+            self._calibration = self._checked(calibration.load_artifact(self.artifact))
 
     def params(self) -> dict:
         """The fields plus ``calibration``: the digest of the loaded artifact (None before :meth:`bind`), so a
@@ -132,14 +139,27 @@ class KVTC(Compressor):
     # -- calibration ---------------------------------------------------------------------------------------
     def bind(self, model) -> None:
         if self._calibration is None:
-            path = calibration.default_artifact_path(model)
+            path = calibration.default_artifact_path(model, self.keys)
             if not path.is_file():
+                option = "" if self.keys == "pre_rope" else f" --keys {self.keys}"
                 raise CompressorError(
                     f"KVTC needs a calibration artifact for this model and none was given (artifact=None) or found "
-                    f"at {path}. Create it with: kvcomp calibrate kvtc --model <this model> --out {path}"
+                    f"at {path}. Create it with: kvcomp calibrate kvtc --model <this model>{option} --out {path}"
                 )
-            self._calibration = calibration.load_artifact(path)
+            self._calibration = self._checked(calibration.load_artifact(path))
         self._calibration.check_model(model)
+
+    def _checked(self, cal: calibration.Calibration) -> calibration.Calibration:
+        if cal.keys != self.keys:
+            raise CompressorError(
+                f"The KVTC artifact {cal.path} holds bases of {cal.keys} keys and this KVTC codes {self.keys} keys: "
+                f"pass keys={cal.keys!r}, or an artifact made with `kvcomp calibrate kvtc --keys {self.keys}`."
+            )
+        return cal
+
+    @property
+    def post_rope(self) -> bool:
+        return self.keys == "post_rope"
 
     @property
     def calibration(self) -> calibration.Calibration:
@@ -252,7 +272,8 @@ class KVTC(Compressor):
         """``[B, H, T, D]`` K/V (post-RoPE keys) -> key codes, value codes ``[B, H, T, D]`` uint8 (numpy)
         and positions ``[B, H, T]``."""
         cal = self.calibration
-        pre = tc.undo_rope(keys.float(), positions.clamp(max=SENTINEL - 1), codec["inv_freq"], cal.attention_scaling)
+        pre = keys.float() if self.post_rope else tc.undo_rope(
+            keys.float(), positions.clamp(max=SENTINEL - 1), codec["inv_freq"], cal.attention_scaling)
         codes = []
         for kind, x in enumerate((pre, values.float())):
             y = torch.einsum("bhtd,hcd->bhtc", x - codec["mean"][:, kind, None], codec["basis"][:, kind])
@@ -268,19 +289,23 @@ class KVTC(Compressor):
 
     def _decoded_chunks(self, layer: int, state: KVTCState, dtype: torch.dtype, per_chunk: int):
         """Yield ``(keys, value coefficients, positions)`` of ``per_chunk`` coded tokens at a time: keys
-        ``[B, H, T, D]`` float32 (reconstructed, RoPE re-applied), values ``[B, H, T, S]`` float32 with
+        ``[B, H, T, D]`` float32 (reconstructed, RoPE re-applied unless they were coded with it), values ``[B, H, T, S]`` float32 with
         :meth:`reconstruct_values` the values they stand for, positions ``[B, H, T]`` (``SENTINEL`` in holes),
         all from the live codes."""
         if state.blocks is not None:
             raise CompressorError("this KVTC state is in its stored form; KVTC.restored() makes it attendable.")
         device = state.positions.device
         codec = self.codec(layer, dtype, device)
-        cos_table, sin_table = self.rope_table(state.last_position + 1, device)
+        if not self.post_rope:
+            cos_table, sin_table = self.rope_table(state.last_position + 1, device)
         for start in range(0, state.positions.shape[-1], per_chunk):
             sl = slice(start, start + per_chunk)
             p = state.positions[..., sl]
             coeffs = [self._unpacked(codec, state, kind, sl).float() for kind in (0, 1)]
             keys = torch.matmul(coeffs[0], codec["key_weight"]) + codec["key_offset"][:, None]  # [B, H, T, D]
+            if self.post_rope:
+                yield keys, coeffs[1], p
+                continue
             index = p.masked_fill(p >= SENTINEL, 0).long()
             if state.uniform:  # the usual case: all rows and heads hold the same tokens
                 index = index[0, 0]
@@ -374,10 +399,11 @@ class KVTC(Compressor):
 
     def _attend_native(self, codec, state: KVTCState, q, ctx):
         """The fused C kernel (float32 on the CPU): one pass over the packed codes, each key rebuilt once for
-        its query group, the values' probabilities applied to their codes and projected once."""
+        its query group (or, post-RoPE, each query projected on the key basis once), the values' probabilities
+        applied to their codes and projected once."""
         if state.blocks is not None:
             raise CompressorError("this KVTC state is in its stored form; KVTC.restored() makes it attendable.")
-        cos, sin = self.rope_table(state.last_position + 1, q.device)
+        cos, sin = (None, None) if self.post_rope else self.rope_table(state.last_position + 1, q.device)
         residual = [torch.cat([a, b], dim=2) for a, b in zip(
             (state.sinks.keys, state.sinks.values, state.sinks.positions),
             (state.window.keys, state.window.values, state.window.positions))]

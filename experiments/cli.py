@@ -299,7 +299,7 @@ def _calibrate(args) -> int:
         model, tokenizer = _load(args)
         out = args.out or head_calibration.default_artifact_path(model)
         t0 = time.perf_counter()
-        path = head_calibration.calibrate(model, tokenizer, out, samples=args.samples, length=args.seq_len)
+        path = head_calibration.calibrate(model, tokenizer, out, samples=args.samples, length=args.seq_len or 1024)
         pattern = head_calibration.load_artifact(path)
         print(f"{path}\n  {pattern.meta['samples']} synthetic passkey prompts of {pattern.meta['length']} tokens, "
               f"{pattern.meta['num_layers']} layers x {pattern.meta['num_kv_heads']} KV heads, "
@@ -309,13 +309,14 @@ def _calibrate(args) -> int:
 
     text = _read_text(args.data, "--data") if args.data else None
     model, tokenizer = _load(args)
-    out = args.out or calibration.default_artifact_path(model)
+    out = args.out or calibration.default_artifact_path(model, args.keys)
     t0 = time.perf_counter()
     path = calibration.calibrate(model, tokenizer, out, text=text, tokens=args.tokens, seq_len=args.seq_len,
-                                 source=args.data or "stdlib docstrings")
+                                 source=args.data or "stdlib docstrings", keys=args.keys)
     meta = calibration.load_artifact(path).meta
-    print(f"{path}\n  {meta['tokens']} calibration tokens of {meta['data']}, {meta['num_layers']} layers x "
-          f"{meta['num_kv_heads']} KV heads x {meta['head_dim']}, {time.perf_counter() - t0:.1f} s")
+    print(f"{path}\n  {meta['tokens']} calibration tokens of {meta['data']} ({meta['seq_len']} per sequence), "
+          f"{meta['keys']} keys, {meta['num_layers']} layers x {meta['num_kv_heads']} KV heads x "
+          f"{meta['head_dim']}, {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -471,7 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="a plain-text file; default: Python stdlib docstrings (offline)")
     p.add_argument("--out", default=None, help="artifact path; default: the model's path under $KVCOMP_CACHE/kvtc")
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (heads: per prompt)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per calibration sequence (heads: per prompt); default: kvtc 1024 for pre-RoPE "
+                        "keys, 4096 for post-RoPE keys; heads 1024")
+    p.add_argument("--keys", choices=["pre_rope", "post_rope"], default="pre_rope",
+                   help="kvtc: fit the key bases without RoPE (better rate-distortion) or with it (a decode "
+                        "step projects its query once instead of rebuilding every key)")
     p.add_argument("--samples", type=int, default=8, help="heads: synthetic passkey prompts")
     p.set_defaults(func=_calibrate)
 

@@ -3,7 +3,8 @@ versioned safetensors artifact tied to the model.
 
 ``calibrate(model, tokenizer, out)`` (CLI: ``kvcomp calibrate kvtc --model ... --out ...``) runs the model
 over calibration text in sequences of ``seq_len`` tokens, takes the cached keys (which transformers stores
-after RoPE) and undoes RoPE with the model's own ``inv_freq`` and ``attention_scaling``, skips each
+after RoPE) and undoes RoPE with the model's own ``inv_freq`` and ``attention_scaling`` (``keys="pre_rope"``,
+the paper's choice; ``keys="post_rope"`` keeps the keys as cached, see below), skips each
 sequence's first ``n_sink`` tokens (KVTC keeps sinks uncompressed, and their outlier activations would
 dominate the variance), and fits with scikit-learn one PCA basis per layer, KV head and kind (keys, values).
 
@@ -21,6 +22,15 @@ minimises the squared error (at 8 bits at least 1.5 times the largest calibratio
 unlike the calibration text is not clipped where the budget asks for near-lossless coding); its other steps
 are that one times ``sqrt(2)**j``. The allocation for a target compression factor is computed from these
 tables when KVTC loads the artifact (:func:`allocate`), so one artifact serves every factor and dtype.
+
+Key space. Keys without RoPE have a lower-rank spectrum (SmolLM2-135M, 12K tokens of prose: the top 16 of 64
+components hold 75% of the variance before RoPE, 64% after; the DP's squared error at 128 bits per token is 4.0%
+of the variance before RoPE and 6.2% after), but a key coded before RoPE has to be rebuilt (``S x D``
+multiply-adds) and rotated before each query can use it. A basis fitted to keys *after* RoPE lets a decode step
+project its query once instead (``q . (offset + codes @ W) = q . offset + codes . (W q)``: ``S`` multiply-adds
+per key), at the worse rate-distortion. ``keys`` is in the artifact's metadata and in its default path; the
+post-RoPE calibration needs sequences as long as the contexts it will code (a low-frequency RoPE pair turns
+by a position-dependent angle), so its default ``seq_len`` is 4096.
 
 Default text (no download): docstrings of the Python standard library, read with :mod:`ast`. RULER's
 offline ``essay`` haystacks come from ``pydoc_data.topics`` first and reach the docstrings only beyond about
@@ -59,6 +69,7 @@ FORMAT = "kvcomp-kvtc"
 # 3: a sha256 of the tensors in the metadata (checked on load); 2: the same tables without it (still read, with a
 # warning); 1: one quantizer step per width (refused).
 VERSION = 3
+KEY_SPACES = ("pre_rope", "post_rope")  # keys coded without RoPE (the default) or as cached, with it
 READABLE_VERSIONS = ("2", "3")
 REQUIRED_TENSORS = ("basis", "mean", "variance", "step", "err", "rate", "inv_freq", "probe", "option_bits",
                     "option_scale")
@@ -108,10 +119,16 @@ def rotary(model) -> tuple[torch.Tensor, float]:
     return inv_freq, scaling
 
 
-def default_artifact_path(model) -> Path:
+def default_artifact_path(model, keys: str = "pre_rope") -> Path:
     from kvcomp.files import cache_dir
 
-    return cache_dir() / "kvtc" / f"kvtc-{model_identity(model)['config_hash']}.safetensors"
+    suffix = "" if keys == "pre_rope" else f"-{keys.replace('_', '-')}"
+    return cache_dir() / "kvtc" / f"kvtc-{model_identity(model)['config_hash']}{suffix}.safetensors"
+
+
+def default_seq_len(keys: str) -> int:
+    """Tokens per calibration sequence unless given (see "Key space" in the module docstring)."""
+    return 1024 if keys == "pre_rope" else 4096
 
 
 # -- calibration text ----------------------------------------------------------------------------------------
@@ -139,8 +156,9 @@ def default_text(num_words: int = 60000) -> str:
 
 # -- fitting -------------------------------------------------------------------------------------------------
 @torch.inference_mode()
-def collect(model, tokenizer, text: str, tokens: int, seq_len: int, n_sink: int):
-    """Pre-RoPE keys and values of ``tokens`` calibration tokens: two ``[L, N, H, D]`` float32 tensors."""
+def collect(model, tokenizer, text: str, tokens: int, seq_len: int, n_sink: int, keys_space: str = "pre_rope"):
+    """Keys (without RoPE, or as cached for ``keys_space="post_rope"``) and values of ``tokens`` calibration
+    tokens: two ``[L, N, H, D]`` float32 tensors."""
     from transformers import DynamicCache
 
     inv_freq, scaling = rotary(model)
@@ -157,7 +175,7 @@ def collect(model, tokenizer, text: str, tokens: int, seq_len: int, n_sink: int)
         pos = torch.arange(chunk.numel())[n_sink:]
         k = torch.stack([layer.keys[0, :, n_sink:].float().cpu() for layer in cache.layers])  # [L, H, n, D]
         v = torch.stack([layer.values[0, :, n_sink:].float().cpu() for layer in cache.layers])
-        keys.append(undo_rope(k, pos, inv_freq, scaling).transpose(1, 2))
+        keys.append((undo_rope(k, pos, inv_freq, scaling) if keys_space == "pre_rope" else k).transpose(1, 2))
         values.append(v.transpose(1, 2))
         taken += chunk.numel()
     if not keys:
@@ -214,18 +232,22 @@ def fit(keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def calibrate(model, tokenizer, out: str | os.PathLike, text: str | None = None, tokens: int = 8192,
-              seq_len: int = 1024, n_sink: int = 4, source: str = "stdlib docstrings") -> Path:
-    """Fit and save a KVTC artifact for ``model``; returns its path."""
+              seq_len: int | None = None, n_sink: int = 4, source: str = "stdlib docstrings",
+              keys: str = "pre_rope") -> Path:
+    """Fit and save a KVTC artifact for ``model``; returns its path. ``seq_len`` None: :func:`default_seq_len`."""
     from safetensors.torch import save_file
 
     from kvcomp import validation
 
+    validation.choice("keys", keys, KEY_SPACES, owner="KVTC calibration")
+    seq_len = default_seq_len(keys) if seq_len is None else seq_len
     validation.positive_int("tokens", tokens, owner="KVTC calibration", hint=" (calibration tokens, --tokens)")
     validation.non_negative_int("n_sink", n_sink, owner="KVTC calibration")
     validation.integer("seq_len", seq_len, n_sink + 1, owner="KVTC calibration",
                        hint=" (tokens per sequence, --seq-len; more than n_sink)")
     text = text if text is not None else default_text(num_words=tokens * 2)
-    keys, values = collect(model, tokenizer, text, tokens, seq_len, n_sink)
+    space = keys
+    keys, values = collect(model, tokenizer, text, tokens, seq_len, n_sink, space)
     head_dim = keys.shape[-1]
     if keys.shape[1] < head_dim:  # a full-rank PCA of a D-dimensional head needs D samples
         raise CompressorError(
@@ -239,7 +261,7 @@ def calibrate(model, tokenizer, out: str | os.PathLike, text: str | None = None,
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     meta = {"format": FORMAT, "version": str(VERSION), **{k: str(v) for k, v in model_identity(model).items()},
             "attention_scaling": repr(scaling), "tokens": str(keys.shape[1]), "seq_len": str(seq_len),
-            "n_sink": str(n_sink), "data": source, "bits": ",".join(map(str, BITS)),
+            "n_sink": str(n_sink), "keys": space, "data": source, "bits": ",".join(map(str, BITS)),
             "tensors_sha256": tensors_digest(tensors)}
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +302,11 @@ class Calibration:
     @property
     def attention_scaling(self) -> float:
         return float(self.meta["attention_scaling"])
+
+    @property
+    def keys(self) -> str:
+        """The key space of the bases (:data:`KEY_SPACES`; artifacts written before it existed are pre-RoPE)."""
+        return self.meta.get("keys", "pre_rope")
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -323,6 +350,9 @@ def _check_tables(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, 
         d, options = int(meta["head_dim"]), tensors["option_bits"].numel()
     except (KeyError, ValueError) as err:
         raise CompressorError(f"The KVTC artifact {path} has damaged metadata ({err}). {broken}") from None
+    if meta.get("keys", "pre_rope") not in KEY_SPACES:
+        raise CompressorError(f"The KVTC artifact {path} has damaged metadata (keys={meta.get('keys')!r}, not one "
+                              f"of {', '.join(KEY_SPACES)}). {broken}")
     shapes = {"basis": (*dims, d, d), "mean": (*dims, d), "variance": (*dims, d), "step": (*dims, options - 1, d),
               "err": (*dims, options, d), "rate": (*dims, options, d), "option_scale": (options,)}
     for name, shape in shapes.items():

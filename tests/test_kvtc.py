@@ -34,6 +34,18 @@ def artifact(tiny, tmp_path_factory):
     return str(calibration.calibrate(model, tokenizer, path, tokens=2048, seq_len=512))
 
 
+@pytest.fixture(scope="module")
+def artifacts(tiny, artifact, tmp_path_factory):
+    """The module's artifact and one whose key bases were fitted to the keys as cached (with RoPE), by key space."""
+    model, tokenizer = tiny
+    path = tmp_path_factory.mktemp("kvtc-post") / "tiny-post.safetensors"
+    return {"pre_rope": artifact,
+            "post_rope": str(calibration.calibrate(model, tokenizer, path, tokens=2048, seq_len=512, keys="post_rope"))}
+
+
+KEY_SPACES = pytest.mark.parametrize("keys", calibration.KEY_SPACES)
+
+
 def full_kv(model, ids):
     cache = DynamicCache()
     with torch.inference_mode():
@@ -191,13 +203,14 @@ def test_several_steps_per_width_lower_the_dp_error(artifact):
 
 
 # -- rate and distortion -------------------------------------------------------------------------------------
-def test_reconstruction_error_falls_as_the_budget_rises(tiny, artifact):
+@KEY_SPACES
+def test_reconstruction_error_falls_as_the_budget_rises(tiny, artifacts, keys):
     model, _ = tiny
     ids = random_ids(400, 4)
     reference, _ = full_kv(model, ids)
     errors, factors = [], []
     for factor in (32, 16, 8, 4):
-        compressor = KVTC(compression_factor=factor, artifact=artifact, window=16, block_size=32)
+        compressor = KVTC(compression_factor=factor, artifact=artifacts[keys], window=16, block_size=32, keys=keys)
         cache, _ = prefill(model, ids, compressor)
         errors.append(relative_error(compressor, cache.layers[1].state, reference, 1))
         factors.append((cache.memory_factor(), cache.stored_factor()))
@@ -258,11 +271,12 @@ def test_live_codes_are_the_quantized_codes_at_their_fixed_widths():
         assert torch.equal(unpacked[:, :len(order)], codes) and not unpacked[:, len(order):].any()
 
 
+@KEY_SPACES
 @pytest.mark.parametrize("batch", [1, 3])
-def test_stored_form_round_trips_bit_identically(tiny, artifact, batch):
+def test_stored_form_round_trips_bit_identically(tiny, artifacts, batch, keys):
     model, _ = tiny
-    compressor = Compose(SnapKV(compression_ratio=0.5), KVTC(compression_factor=8, artifact=artifact, window=8,
-                                                           block_size=8))  # per-head positions
+    compressor = Compose(SnapKV(compression_ratio=0.5), KVTC(compression_factor=8, artifact=artifacts[keys], window=8,
+                                                           block_size=8, keys=keys))  # per-head positions
     lengths = [150, 97, 60][:batch]
     ids = torch.zeros(batch, max(lengths), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -337,13 +351,15 @@ def test_blockwise_attend_equals_dense_attention_on_materialized_cache(tiny, art
         torch.testing.assert_close(out, expected, rtol=0, atol=5e-5)  # float32 sums in another order
 
 
+@KEY_SPACES
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("spec", [AttentionSpec(0.25), AttentionSpec(0.25, window=40), AttentionSpec(0.25, softcap=1.5),
                                   AttentionSpec(0.25, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))],
                          ids=["plain", "window", "softcap", "sinks"])
-def test_live_codes_attend_as_dequantize_then_attend(tiny, artifact, monkeypatch, native, spec):
+def test_live_codes_attend_as_dequantize_then_attend(tiny, artifacts, monkeypatch, native, spec, keys):
     """The C kernel and the torch path over the packed live codes equal dense attention over the reconstructed
-    cache, on left-padded rows of different lengths (holes in the live codes) and 1 or 3 queries."""
+    cache, on left-padded rows of different lengths (holes in the live codes) and 1 or 3 queries; with keys
+    coded before RoPE (rebuilt and rotated) and after it (the query projected on the key basis)."""
     from kvcomp.kernels import cpu_native
 
     model, _ = tiny
@@ -352,8 +368,8 @@ def test_live_codes_attend_as_dequantize_then_attend(tiny, artifact, monkeypatch
     calls = []
     kernel = cpu_native.kvtc_attention
     monkeypatch.setattr(cpu_native, "kvtc_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    compressor = Compose(SnapKV(compression_ratio=0.5), KVTC(compression_factor=8, artifact=artifact, window=8,
-                                                           block_size=8))
+    compressor = Compose(SnapKV(compression_ratio=0.5), KVTC(compression_factor=8, artifact=artifacts[keys], window=8,
+                                                           block_size=8, keys=keys))
     lengths = [180, 97, 60]
     ids, mask = torch.zeros(3, 180, dtype=torch.long), torch.zeros(3, 180, dtype=torch.long)
     for r, n in enumerate(lengths):
@@ -423,10 +439,11 @@ def test_high_budget_matches_uncompressed_decoding(tiny, tiny_reference, artifac
     assert result.memory_factor > 1.5
 
 
-def test_batch_rows_are_coded_independently(tiny64, tmp_path):
+@KEY_SPACES
+def test_batch_rows_are_coded_independently(tiny64, tmp_path, keys):
     model, tokenizer = tiny64
-    path = calibration.calibrate(model, tokenizer, tmp_path / "a.safetensors", tokens=600, seq_len=300)
-    compressor = KVTC(compression_factor=4, artifact=str(path), window=8, block_size=8)
+    path = calibration.calibrate(model, tokenizer, tmp_path / "a.safetensors", tokens=600, seq_len=300, keys=keys)
+    compressor = KVTC(compression_factor=4, artifact=str(path), window=8, block_size=8, keys=keys)
     batched = generate(model, tokenizer, CONTEXTS, QUESTIONS, compressor=compressor, max_new_tokens=8)
     for i, (c, q) in enumerate(zip(CONTEXTS, QUESTIONS)):
         alone = generate(model, tokenizer, c, q, compressor=compressor, max_new_tokens=8)
@@ -473,6 +490,10 @@ def test_calibrate_cli_on_the_tiny_model(tmp_path, capsys):
     assert main(["calibrate", "kvtc", "--model", "tiny", "--data", str(data), "--out", str(out), "--tokens", "400",
                  "--seq-len", "200"]) == 0
     assert calibration.load_artifact(out).meta["data"] == str(data)
+    assert main(["calibrate", "kvtc", "--model", "tiny", "--out", str(out), "--tokens", "600", "--keys",
+                 "post_rope"]) == 0
+    meta = calibration.load_artifact(out).meta
+    assert (meta["keys"], meta["seq_len"]) == ("post_rope", "4096")  # the post-RoPE default sequence length
 
 
 def test_hydra_config_builds_kvtc(monkeypatch, artifact):
@@ -683,11 +704,56 @@ def test_an_older_default_artifact_is_recalibrated_and_a_given_one_is_an_error(t
     assert calibration.is_current(old) and calibration.load_artifact(old, model).meta["tokens"] == "596"  # sinks skipped
 
 
-@pytest.mark.parametrize("head_dim,rotary", [(64, 64), (64, 32), (48, 48)])
+def test_key_space_comes_with_the_artifact_and_a_mismatch_is_a_clear_error(tiny, artifacts, tmp_path, monkeypatch):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model, tokenizer = tiny
+    assert calibration.load_artifact(artifacts["post_rope"]).keys == "post_rope"
+    with pytest.raises(CompressorError, match="bases of pre_rope keys.*codes post_rope keys.*keys='pre_rope'"):
+        KVTC(artifact=artifacts["pre_rope"], keys="post_rope")
+    with pytest.raises(CompressorError, match="bases of post_rope keys.*--keys pre_rope"):
+        KVTC(artifact=artifacts["post_rope"])
+    with pytest.raises(CompressorError, match="keys"):
+        KVTC(keys="rotated")
+    old = tmp_path / "before-keys.safetensors"  # an artifact written before the key space was recorded
+    with safe_open(artifacts["pre_rope"], framework="pt") as f:
+        save_file({k: f.get_tensor(k) for k in f.keys()}, str(old),
+                  metadata={k: v for k, v in f.metadata().items() if k != "keys"})
+    assert KVTC(artifact=str(old)).calibration.keys == "pre_rope"
+    # Each key space has its own default artifact.
+    monkeypatch.setenv("KVCOMP_CACHE", str(tmp_path))
+    post = calibration.default_artifact_path(model, "post_rope")
+    assert post != calibration.default_artifact_path(model) and post.name.endswith("-post-rope.safetensors")
+    with pytest.raises(CompressorError, match=f"kvcomp calibrate kvtc --model <this model> --keys post_rope --out {post}"):
+        CompressedCache(model, KVTC(keys="post_rope"))
+
+
+def test_post_rope_keys_are_never_rotated(tiny, artifacts, monkeypatch):
+    """Coded with their RoPE, keys are neither unrotated when coded nor rotated when decoded (C kernel and torch
+    path), and decoding still follows the uncompressed model closely at a high budget."""
+    model, _ = tiny
+    for name in ("undo_rope", "rotate", "apply_rope"):
+        monkeypatch.setattr(tc, name, lambda *a, **k: pytest.fail("a post-RoPE key was rotated"))
+    ids = random_ids(300, 9)
+    with torch.inference_mode():
+        full = model(input_ids=ids).logits[0, -1]
+    for native in ("1", "0"):
+        monkeypatch.setenv("KVCOMP_NATIVE", native)
+        cache, _ = prefill(model, ids[:, :-1], KVTC(compression_factor=1, artifact=artifacts["post_rope"], window=16,
+                                                    block_size=32, keys="post_rope"))
+        assert int(cache.layers[0].state.coded_tokens.min()) >= 256
+        with torch.inference_mode():
+            logits = model(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits[0, -1]
+        assert float((logits - full).abs().max() / full.abs().max()) < 0.08
+
+
+@pytest.mark.parametrize("head_dim,rotary", [(64, 64), (64, 32), (48, 48), (64, 0), (48, 0)])
 def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary):
     """The C kernel on random live codes (the 4-token key path at head_dim 64, the general one otherwise; a
-    partial rotary embedding; holes; a length that is not a multiple of 4) against the keys and values rebuilt
-    in torch and dense attention over them."""
+    partial rotary embedding; keys coded after RoPE, ``rotary`` 0: no cos/sin, the queries projected on the
+    key basis; holes; a length that is not a multiple of 4) against the keys and values rebuilt in torch and
+    dense attention over them."""
     from kvcomp.kernels import cpu_native
 
     if not cpu_native.supports_kvtc(torch.zeros(1)):
@@ -706,8 +772,8 @@ def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary)
     positions[1, 0, 40:80] = SENTINEL  # a hole
     weight = torch.randn(h, 2, head_dim, head_dim, generator=g) * 0.01  # keys of order 1 to 10
     offset = torch.randn(h, 2, head_dim, generator=g)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary, 2).float() / rotary)
-    cos, sin = tc.rope_table(512, inv_freq)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary, 2).float() / max(rotary, 1))
+    cos, sin = tc.rope_table(512, inv_freq) if rotary else (None, None)
     res_pos = torch.arange(length, length + n_res, dtype=torch.int32).expand(b, h, n_res).contiguous()
     res_k, res_v = (torch.randn(b, h, n_res, head_dim, generator=g) for _ in range(2))
     q = torch.randn(b, h * group, 2, head_dim, generator=g)
@@ -719,7 +785,8 @@ def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary)
                                     cos, sin, res_k, res_v, res_pos, spec.scaling, spec.window)
     index = positions.long().masked_fill(positions >= SENTINEL, 0)
     keys = torch.matmul(codes[0].float(), weight[:, 0]) + offset[:, 0, None]
-    keys = tc.rotate(keys, cos[index], sin[index])
+    if rotary:
+        keys = tc.rotate(keys, cos[index], sin[index])
     values = torch.matmul(codes[1].float(), weight[:, 1]) + offset[:, 1, None]
     expected, _ = dense_attention(q, torch.cat([keys, res_k], 2), torch.cat([values, res_v], 2), q_pos,
                                   torch.cat([positions, res_pos], 2), spec)

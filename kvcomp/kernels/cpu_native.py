@@ -632,7 +632,10 @@ static void keys4_d64(const float* restrict c, int64_t S, int64_t ns, const floa
    cos_t, sin_t [P, RD] by position (RD rotary channels); rk, rv [BH, R, D], rpos [BH, R]: full-precision sinks and
    window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, 4 * S + 5 * D]; partial [BH * chunks, M, S + 1].
    Keys: each coded token's key is rebuilt once (unpack, S x D multiply-adds, rotation) and shared by the group's
-   M rows; values: the probabilities are applied to the codes and projected once per row at the end. */
+   M rows; or, given qk [BH * chunks, M, S + 1] (keys coded after RoPE), each chunk first projects its queries,
+   qk[m, s] = wk[s] . q[m] and qk[m, S] = ok . q[m], and a logit is qk[m, S] + codes . qk[m] (S multiply-adds,
+   nothing rebuilt or rotated). Values: the probabilities are applied to the codes and projected once per row at
+   the end. */
 void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const uint8_t* vc,
                         const int32_t* pos, const int64_t* cnt, const float* wk, const float* ok, const float* wv,
                         const float* ov, const float* cos_t, const float* sin_t, const uint8_t* lut3,
@@ -640,7 +643,7 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                         float* logits, float* work, float* partial, int64_t B, int64_t H, int64_t M, int64_t n,
                         int64_t L, int64_t R, int64_t D, int64_t S, int64_t RD, int64_t P, int64_t Wk, int64_t Wv,
                         int64_t chunks, float scaling, int threads, int64_t window, float softcap,
-                        const float* sinks) {
+                        const float* sinks, float* qk) {
     const int64_t BH = B * H, T = L + R, per_chunk = (L + chunks - 1) / chunks;
     int64_t first[BH > 0 ? BH : 1];
     #pragma omp parallel num_threads(threads)
@@ -660,6 +663,15 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                     lo[m] = blind || window <= 0 ? INT64_MIN : qp[m % n] - window + 1;
                 }
                 const int64_t t_end = (chunk + 1) * per_chunk < L ? (chunk + 1) * per_chunk : L;
+                float* qr = qk ? qk + (bh * chunks + chunk) * M * (S + 1) : NULL;
+                if (qr) {
+                    const int64_t nk = cnt[h * 6] + cnt[h * 6 + 1] + cnt[h * 6 + 2];
+                    for (int64_t m = 0; m < M; m++) {
+                        const float* qm = q + (bh * M + m) * D;
+                        for (int64_t s = 0; s < nk; s++) qr[m * (S + 1) + s] = dot(w + s * D, qm, D);
+                        qr[m * (S + 1) + S] = dot(o, qm, D);
+                    }
+                }
                 int64_t ns = 0;
                 for (int64_t t = chunk * per_chunk; t <= t_end; t++) {
                     if (t < t_end) {
@@ -671,6 +683,12 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                             continue;
                         }
                         ns = unpack_live(kc + (bh * L + t) * Wk, cnt + h * 6, lut3, lut15, c + nb * S);
+                        if (qr) {  /* keys coded after RoPE: the projected queries' dot with the codes */
+                            for (int64_t m = 0; m < M; m++)
+                                lg[m * T + t] = VISIBLE(kp, hi[m], lo[m])
+                                    ? (qr[m * (S + 1) + S] + dot(c, qr + m * (S + 1), ns)) * scaling : -INFINITY;
+                            continue;
+                        }
                         batch[nb++] = t;
                         if (nb < 4) continue;
                     }
@@ -1057,7 +1075,7 @@ def _compile() -> ctypes.CDLL | None:
     fn = lib.kvtc_attention_f32
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 21 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64,
-                                                                      ctypes.c_float, ctypes.c_void_p])
+                                                                      ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p])
     return lib
 
 
@@ -1189,8 +1207,9 @@ def supports_kvtc(q: torch.Tensor, *tensors: torch.Tensor) -> bool:
 
 def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                    positions: torch.Tensor, counts: torch.Tensor, key_weight: torch.Tensor, key_offset: torch.Tensor,
-                   value_weight: torch.Tensor, value_offset: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   residual_keys: torch.Tensor, residual_values: torch.Tensor, residual_positions: torch.Tensor,
+                   value_weight: torch.Tensor, value_offset: torch.Tensor, cos: torch.Tensor | None,
+                   sin: torch.Tensor | None, residual_keys: torch.Tensor, residual_values: torch.Tensor,
+                   residual_positions: torch.Tensor,
                    scaling: float, window: int | None = None, softcap: float | None = None,
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, H_q, n, D]`` (positions ``q_pos`` ``[B, n]``) over KVTC's live codes and
@@ -1199,7 +1218,9 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
     key_codes ``[B, H_kv, L, W_k]``, value_codes ``[B, H_kv, L, W_v]`` uint8 and positions ``[B, H_kv, L]``
     (``>= len(cos)``: no token); counts ``[H_kv, 2, 3]`` components stored at 2, 4 and 8 bits per KV head for keys
     and values (coding order); a key is ``rotate(codes @ key_weight[h] + key_offset[h])`` (``[H_kv, S, D]``,
-    ``[H_kv, D]``; cos, sin ``[P, RD]`` by position), a value ``codes @ value_weight[h] + value_offset[h]``.
+    ``[H_kv, D]``; cos, sin ``[P, RD]`` by position; None for keys coded after RoPE: a key is then
+    ``codes @ key_weight[h] + key_offset[h]`` and each query is projected on it once instead of rebuilding the
+    keys), a value ``codes @ value_weight[h] + value_offset[h]``.
     residual_*: the sinks and window ``[B, H_kv, R, D]``, positions ``[B, H_kv, R]``. The layer's window,
     soft-cap and sink logits ``[H_q]`` as in :func:`quant_attention`. Returns ``[B, H_q, n, D]`` float32."""
     lib = load()
@@ -1212,6 +1233,10 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
         raise ValueError(f"key and value weights must share S; got {s} and {value_weight.shape[1]}.")
     threads = max(1, torch.get_num_threads())
     chunks = max(1, min(-(-length // 64), -(-2 * threads // (b * h)))) if threads > 1 and length else 1
+    qk = None
+    if cos is None:  # post-RoPE keys: each chunk projects its query rows on the key components (scratch here)
+        qk = torch.empty(b * h * chunks, rows, s + 1, dtype=torch.float32)
+        cos = sin = key_offset.new_zeros(1, 0)
     tensors = [q.reshape(b, h, rows, d).contiguous(), q_pos.to(torch.int64).contiguous(), key_codes.contiguous(),
                value_codes.contiguous(), positions.to(torch.int32).contiguous(), counts.to(torch.int64).contiguous(),
                key_weight.contiguous(), key_offset.contiguous(), value_weight.contiguous(), value_offset.contiguous(),
@@ -1226,7 +1251,7 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
         *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
         b, h, rows, n, length, r, d, s, cos.shape[-1], cos.shape[0], key_codes.shape[-1], value_codes.shape[-1],
         chunks, float(scaling), threads, int(window or 0), float(softcap or 0.0),
-        None if sinks is None else sinks.data_ptr(),
+        None if sinks is None else sinks.data_ptr(), None if qk is None else qk.data_ptr(),
     )
     return out.reshape(b, hq, n, d)
 
