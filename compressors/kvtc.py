@@ -239,6 +239,9 @@ class KVTC(Compressor):
 
     def _flush(self, layer: int, state: KVTCState, window: TokenStore) -> KVTCState:
         """Code the oldest whole blocks of ``window`` that lie beyond the last ``self.window`` tokens."""
+        if window.positions.shape[-1] < self.window + self.block_size:  # no row can have a whole block yet
+            state.window = window
+            return state
         n_blocks = (window.valid.sum(-1) - self.window).clamp(min=0) // self.block_size  # [B, H]
         take = int(n_blocks.max()) * self.block_size
         if take == 0:

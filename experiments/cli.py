@@ -474,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per calibration sequence (heads: per prompt); default: kvtc 1024 for pre-RoPE "
-                        "keys, 4096 for post-RoPE keys; heads 1024")
+                        "keys, the model's context up to 8192 for post-RoPE keys; heads 1024")
     p.add_argument("--keys", choices=["pre_rope", "post_rope"], default="pre_rope",
                    help="kvtc: fit the key bases without RoPE (better rate-distortion) or with it (a decode "
                         "step projects its query once instead of rebuilding every key)")

@@ -29,8 +29,9 @@ of the variance before RoPE and 6.2% after), but a key coded before RoPE has to 
 multiply-adds) and rotated before each query can use it. A basis fitted to keys *after* RoPE lets a decode step
 project its query once instead (``q . (offset + codes @ W) = q . offset + codes . (W q)``: ``S`` multiply-adds
 per key), at the worse rate-distortion. ``keys`` is in the artifact's metadata and in its default path; the
-post-RoPE calibration needs sequences as long as the contexts it will code (a low-frequency RoPE pair turns
-by a position-dependent angle), so its default ``seq_len`` is 4096.
+post-RoPE calibration needs sequences as long as the contexts it will code (a RoPE pair whose period is longer
+than the calibration sequences shows only an arc of its turn, and a later position turns the key out of it), so
+its default ``seq_len`` is the model's context length up to 8192 (``--seq-len`` for longer contexts).
 
 Default text (no download): docstrings of the Python standard library, read with :mod:`ast`. RULER's
 offline ``essay`` haystacks come from ``pydoc_data.topics`` first and reach the docstrings only beyond about
@@ -126,9 +127,11 @@ def default_artifact_path(model, keys: str = "pre_rope") -> Path:
     return cache_dir() / "kvtc" / f"kvtc-{model_identity(model)['config_hash']}{suffix}.safetensors"
 
 
-def default_seq_len(keys: str) -> int:
+def default_seq_len(model, keys: str) -> int:
     """Tokens per calibration sequence unless given (see "Key space" in the module docstring)."""
-    return 1024 if keys == "pre_rope" else 4096
+    if keys == "pre_rope":
+        return 1024
+    return min(8192, int(getattr(_text_config(model), "max_position_embeddings", None) or 8192))
 
 
 # -- calibration text ----------------------------------------------------------------------------------------
@@ -240,7 +243,7 @@ def calibrate(model, tokenizer, out: str | os.PathLike, text: str | None = None,
     from kvcomp import validation
 
     validation.choice("keys", keys, KEY_SPACES, owner="KVTC calibration")
-    seq_len = default_seq_len(keys) if seq_len is None else seq_len
+    seq_len = default_seq_len(model, keys) if seq_len is None else seq_len
     validation.positive_int("tokens", tokens, owner="KVTC calibration", hint=" (calibration tokens, --tokens)")
     validation.non_negative_int("n_sink", n_sink, owner="KVTC calibration")
     validation.integer("seq_len", seq_len, n_sink + 1, owner="KVTC calibration",

@@ -493,7 +493,8 @@ def test_calibrate_cli_on_the_tiny_model(tmp_path, capsys):
     assert main(["calibrate", "kvtc", "--model", "tiny", "--out", str(out), "--tokens", "600", "--keys",
                  "post_rope"]) == 0
     meta = calibration.load_artifact(out).meta
-    assert (meta["keys"], meta["seq_len"]) == ("post_rope", "4096")  # the post-RoPE default sequence length
+    # The post-RoPE default sequence: the model's context (the tiny model's 2048) up to 8192.
+    assert (meta["keys"], meta["seq_len"]) == ("post_rope", str(load_model("tiny")[0].config.max_position_embeddings))
 
 
 def test_hydra_config_builds_kvtc(monkeypatch, artifact):
