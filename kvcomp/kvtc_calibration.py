@@ -28,10 +28,12 @@ components hold 75% of the variance before RoPE, 64% after; the DP's squared err
 of the variance before RoPE and 6.2% after), but a key coded before RoPE has to be rebuilt (``S x D``
 multiply-adds) and rotated before each query can use it. A basis fitted to keys *after* RoPE lets a decode step
 project its query once instead (``q . (offset + codes @ W) = q . offset + codes . (W q)``: ``S`` multiply-adds
-per key), at the worse rate-distortion. ``keys`` is in the artifact's metadata and in its default path; the
-post-RoPE calibration needs sequences as long as the contexts it will code (a RoPE pair whose period is longer
-than the calibration sequences shows only an arc of its turn, and a later position turns the key out of it), so
-its default ``seq_len`` is the model's context length up to 8192 (``--seq-len`` for longer contexts).
+per key), at the worse rate-distortion. ``keys`` is in the artifact's metadata and in its default path. A
+post-RoPE artifact holds no RoPE tables and its model needs none, so KVTC with post-RoPE keys also runs models
+whose position encoding kvcomp cannot undo (cohere's interleaved RoPE, gpt2's learned positions). Its
+calibration needs sequences as long as the contexts it will code (a RoPE pair whose period is longer than the
+calibration sequences shows only an arc of its turn, and a later position turns the key out of it), so its
+default ``seq_len`` is the model's context length up to 8192 (``--seq-len`` for longer contexts).
 
 Default text (no download): docstrings of the Python standard library, read with :mod:`ast`. RULER's
 offline ``essay`` haystacks come from ``pydoc_data.topics`` first and reach the docstrings only beyond about
@@ -52,7 +54,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvcomp.attention import check_rope, rotary_embedding
+from kvcomp.attention import UnsupportedModel, check_rope, rotary_embedding
 from kvcomp.compressor import CompressorError
 from kvcomp.steps import forward
 from kvcomp.transform_coding import (
@@ -115,8 +117,12 @@ def rotary(model) -> tuple[torch.Tensor, float]:
     """``(inv_freq, attention_scaling)`` of the RoPE of the model's full-attention layers (the layers KVTC
     codes; sliding-window layers keep their window exactly), after checking that undoing it as
     :func:`kvcomp.transform_coding.undo_rope` does is exact for this model (:func:`kvcomp.attention.check_rope`)."""
-    inv_freq, scaling = rotary_embedding(model)
-    check_rope(model, lambda x, pos: apply_rope(x, pos, inv_freq.to(x.device), scaling))
+    try:
+        inv_freq, scaling = rotary_embedding(model)
+        check_rope(model, lambda x, pos: apply_rope(x, pos, inv_freq.to(x.device), scaling))
+    except UnsupportedModel as err:
+        raise UnsupportedModel(f"{err} KVTC with keys coded as the cache holds them needs no RoPE: "
+                               "KVTC(keys='post_rope') on `kvcomp calibrate kvtc --keys post_rope`.") from None
     return inv_freq, scaling
 
 
@@ -164,7 +170,8 @@ def collect(model, tokenizer, text: str, tokens: int, seq_len: int, n_sink: int,
     tokens: two ``[L, N, H, D]`` float32 tensors."""
     from transformers import DynamicCache
 
-    inv_freq, scaling = rotary(model)
+    if keys_space == "pre_rope":
+        inv_freq, scaling = rotary(model)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     if ids.numel() < min(tokens, seq_len):
         raise CompressorError(f"the calibration text has {ids.numel()} tokens; KVTC needs at least {seq_len}.")
@@ -258,7 +265,8 @@ def calibrate(model, tokenizer, out: str | os.PathLike, text: str | None = None,
             f"dimensional head needs at least {head_dim}. Give more tokens (--tokens) or longer sequences (--seq-len)."
         )
     tensors = fit(keys, values)
-    inv_freq, scaling = rotary(model)
+    # Post-RoPE keys are never rotated: their artifact holds no RoPE (and needs none: any position encoding).
+    inv_freq, scaling = rotary(model) if space == "pre_rope" else (torch.zeros(0), 1.0)
     tensors.update(inv_freq=inv_freq, probe=weight_probe(model), option_bits=torch.tensor(OPTION_BITS),
                    option_scale=torch.tensor(OPTION_SCALE))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
@@ -329,7 +337,8 @@ class Calibration:
                 f"The KVTC artifact {self.path} was calibrated on a model with the same architecture but other "
                 f"weights ({self.meta.get('model')}). Calibrate this one with: {CALIBRATE_COMMAND}"
             )
-        rotary(model)  # the RoPE KVTC undoes must be the model's (UnsupportedModel otherwise)
+        if self.keys == "pre_rope":
+            rotary(model)  # the RoPE KVTC undoes must be the model's (UnsupportedModel otherwise)
 
 
 def is_current(path: str | os.PathLike) -> bool:

@@ -54,6 +54,32 @@ def artifacts(tmp_path_factory, tiny):
     return get
 
 
+def post_rope_artifact(model, tokenizer, directory) -> str:
+    path = kvtc_calibration.calibrate(model, tokenizer, directory / "post.safetensors", tokens=512, seq_len=128,
+                                      keys="post_rope")
+    assert kvtc_calibration.load_artifact(path).inv_freq.numel() == 0  # no RoPE recorded: none is needed
+    return str(path)
+
+
+@pytest.mark.parametrize("family", sorted({f for _, f in REFUSED}))
+def test_post_rope_kvtc_codes_the_families_whose_rope_it_cannot_undo(family_models, tiny, tmp_path, family):
+    """KVTC with keys coded as cached runs where undoing RoPE is refused: keys are coded (a near-lossless budget)
+    and the next token's logits follow the uncompressed model."""
+    from compressors.kvtc import KVTC
+
+    model, reference = family_models(family)
+    compressor = KVTC(compression_factor=1, artifact=post_rope_artifact(model, tiny[1], tmp_path), window=8,
+                      block_size=8, n_sink=2, keys="post_rope")
+    ids, mask = prompts(1)
+    with torch.inference_mode():
+        expected = reference(input_ids=ids, attention_mask=mask).logits[0, -1]
+        cache = CompressedCache(model, compressor)
+        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], cache=cache, use_cache=True)
+        logits = model(input_ids=ids[:, -1:], attention_mask=mask, cache=cache, use_cache=True).logits[0, -1]
+    assert all(int(layer.state.coded_tokens.min()) >= 8 for layer in cache.layers)
+    assert float((logits - expected).abs().max() / expected.abs().max()) < 0.08
+
+
 def prompts(batch: int, seed: int = 0):
     """Left-padded prompts of 3, 2 and 4 windows plus a few tokens."""
     lengths = [3 * WINDOW + 5, 2 * WINDOW + 1, 4 * WINDOW][:batch]
@@ -87,12 +113,14 @@ def _cases():
 @pytest.mark.parametrize("family,name,batch", list(_cases()))
 def test_exact_setting_matches_plain_generate(family_models, artifacts, tiny, tmp_path, family, name, batch):
     model, reference = family_models(family)
+    extra = {}
     if (name, family) in REFUSED:  # refused where a user first meets it: calibrating the method for the model
-        with pytest.raises(UnsupportedModel, match=REFUSED[(name, family)]):
+        with pytest.raises(UnsupportedModel, match=REFUSED[(name, family)] + ".*KVTC\\(keys='post_rope'\\)"):
             kvtc_calibration.calibrate(model, tiny[1], tmp_path / "refused.safetensors", tokens=512, seq_len=128)
         assert not (tmp_path / "refused.safetensors").exists()
-        return
-    extra = {"artifact": artifacts(family, model)} if name in NEEDS_ARTIFACT else {}
+        extra = {"artifact": post_rope_artifact(model, tiny[1], tmp_path), "keys": "post_rope"}  # needs no RoPE
+    elif name in NEEDS_ARTIFACT:
+        extra = {"artifact": artifacts(family, model)}
     ids, mask = prompts(batch)
     expected = generate(reference, ids, mask)
     cache = CompressedCache(model, exact(name, **extra))
