@@ -237,6 +237,9 @@ def log_wandb(cfg: DictConfig, run_dir: Path, records: list[dict], summary: dict
     run.log({"samples": table})
     run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str)) or v is None})
     run.finish()
+    # Wait for W&B's service to write everything out: once, in a full test run, finish() returned while the
+    # offline transaction log held only its header. The next run starts a new service.
+    wandb.teardown()
 
 
 def _overrides() -> list[str]:
