@@ -256,23 +256,22 @@ def calibrate(model, tokenizer, out: str | os.PathLike, text: str | None = None,
     validation.integer("seq_len", seq_len, n_sink + 1, owner="KVTC calibration",
                        hint=" (tokens per sequence, --seq-len; more than n_sink)")
     text = text if text is not None else default_text(num_words=tokens * 2)
-    space = keys
-    keys, values = collect(model, tokenizer, text, tokens, seq_len, n_sink, space)
-    head_dim = keys.shape[-1]
-    if keys.shape[1] < head_dim:  # a full-rank PCA of a D-dimensional head needs D samples
+    calibration_keys, values = collect(model, tokenizer, text, tokens, seq_len, n_sink, keys)
+    head_dim = calibration_keys.shape[-1]
+    if calibration_keys.shape[1] < head_dim:  # a full-rank PCA of a D-dimensional head needs D samples
         raise CompressorError(
-            f"KVTC calibration got {keys.shape[1]} tokens past the {n_sink} sinks of each sequence; a {head_dim}-"
+            f"KVTC calibration got {calibration_keys.shape[1]} tokens past the {n_sink} sinks of each sequence; a {head_dim}-"
             f"dimensional head needs at least {head_dim}. Give more tokens (--tokens) or longer sequences (--seq-len)."
         )
-    tensors = fit(keys, values)
+    tensors = fit(calibration_keys, values)
     # Post-RoPE keys are never rotated: their artifact holds no RoPE (and needs none: any position encoding).
-    inv_freq, scaling = rotary(model) if space == "pre_rope" else (torch.zeros(0), 1.0)
+    inv_freq, scaling = rotary(model) if keys == "pre_rope" else (torch.zeros(0), 1.0)
     tensors.update(inv_freq=inv_freq, probe=weight_probe(model), option_bits=torch.tensor(OPTION_BITS),
                    option_scale=torch.tensor(OPTION_SCALE))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     meta = {"format": FORMAT, "version": str(VERSION), **{k: str(v) for k, v in model_identity(model).items()},
-            "attention_scaling": repr(scaling), "tokens": str(keys.shape[1]), "seq_len": str(seq_len),
-            "n_sink": str(n_sink), "keys": space, "data": source, "bits": ",".join(map(str, BITS)),
+            "attention_scaling": repr(scaling), "tokens": str(calibration_keys.shape[1]), "seq_len": str(seq_len),
+            "n_sink": str(n_sink), "keys": keys, "data": source, "bits": ",".join(map(str, BITS)),
             "tensors_sha256": tensors_digest(tensors)}
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
