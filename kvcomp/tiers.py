@@ -148,10 +148,16 @@ class Tier:
         """After an access: give back whatever of the layer's storage the access made resident in this process
         (a mapped file's pages). Default: nothing (the storage is the process's memory by design)."""
 
-    def _gather_rows(self, layer: int, rows: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> bool:
-        """``out[i] = rows[flat[i]]`` (``rows``: the layer's storage as ``[blocks * B * H * BLOCK, 2, D]``); returns
-        whether it read through the storage (so :meth:`_drop_pages` has pages to give back)."""
-        torch.index_select(rows, 0, flat, out=out)
+    def _gather_native(self, layer: int, slot: _Slot, index: torch.Tensor, out: torch.Tensor) -> int | None:
+        """``out`` = the tokens ``index`` (``[B, H, k]``, on the storage's device) with the C kernel: the rows read,
+        or None where it does not run (the gather then goes through torch). Default: a copy from the storage
+        when it is CPU memory."""
+        return cpu_native.gather_tokens(-1, slot.data, index, slot.length, BLOCK, out)
+
+    def _write_tokens(self, layer: int, slot: _Slot, start: int, kv: torch.Tensor) -> bool:
+        """Write ``kv`` ``[B, H, n, 2, D]`` as tokens ``[start, start + n)``; returns whether it wrote through
+        the storage (so :meth:`_drop_pages` has pages to give back)."""
+        _place(slot.data, start, kv)
         return True
 
     # -- API -------------------------------------------------------------------------------------------
@@ -195,12 +201,14 @@ class Tier:
     def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         slot = self._slots[layer]
         n = k.shape[2]
+        mapped = False
         # In bounded chunks: interleaving K and V into the storage layout never copies the whole layer at once.
         for a in range(0, n, WRITE_CHUNK):
             b = min(n, a + WRITE_CHUNK)
             kv = torch.stack([k[:, :, a:b], v[:, :, a:b]], dim=3)  # [B, H, b - a, 2, D]
-            _place(slot.data, slot.length + a, kv.to(slot.data.device, slot.data.dtype))
-        self._drop_pages(layer)
+            mapped |= self._write_tokens(layer, slot, slot.length + a, kv.to(slot.data.device, slot.data.dtype))
+        if mapped:
+            self._drop_pages(layer)
         slot.length += n
         self.bytes_written += 2 * k.numel() * slot.data.element_size()
 
@@ -230,8 +238,9 @@ class Tier:
                non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` ``[B, H, k, D]`` of the tokens ``index`` ``[B, H, k]`` (long, per row and head).
 
-        Entries ``< 0`` are not read: their K/V are zeros and they cost no bytes. One ``index_select`` over the
-        storage's ``[blocks * B * H * BLOCK, 2, D]`` rows (a token's K and V of one head are one row)."""
+        Entries ``< 0`` are not read: their K/V are zeros and they cost no bytes. A token's K and V of one head
+        are one row of the storage: the C kernel copies the rows (:meth:`_gather_native`), else one
+        ``index_select`` over the storage's ``[blocks * B * H * BLOCK, 2, D]`` rows."""
         with self._lock:
             slot = self._slot(layer)
             b, h = slot.data.shape[1:3]
@@ -239,33 +248,38 @@ class Tier:
                 raise ValueError(f"gather: index {tuple(index.shape)} does not match [B={b}, H={h}, k].")
             index = index.to(slot.data.device)
             shape = (*index.shape, *slot.data.shape[4:])
-            rows = slot.data.view(-1, *slot.data.shape[4:])
-            if index.numel() == 0:
-                out, wanted, mapped = rows.new_zeros(shape), 0, False
-            else:
-                low, high = (int(x) for x in index.aminmax())
-                if high >= slot.length:
-                    raise IndexError(f"gather: token index beyond the {slot.length} stored in layer {layer}.")
-                heads = torch.arange(b * h, device=index.device).view(b, h, 1)
-                flat = (torch.div(index, BLOCK, rounding_mode="floor") * (b * h) + heads) * BLOCK + index % BLOCK
-                flat = flat.flatten()
-                out = torch.empty(shape, dtype=slot.data.dtype, device=slot.data.device,
-                                  pin_memory=self._pin_out(slot.data))
-                if low >= 0:  # everything wanted: the common case, one gather
-                    mapped = self._gather_rows(layer, rows, flat, out.view(-1, *shape[3:]))
-                    wanted = index.numel()
-                else:
-                    keep = (index >= 0).flatten().nonzero().squeeze(1)
-                    out.zero_()
-                    picked = rows.new_empty((keep.numel(), *shape[3:]))
-                    mapped = self._gather_rows(layer, rows, flat[keep], picked)
-                    out.view(-1, *shape[3:])[keep] = picked
-                    wanted = keep.numel()
-            self.bytes_read += wanted * rows[0].numel() * out.element_size()
-            if wanted and mapped:  # nothing read through the mapping, nothing made resident
-                self._drop_pages(layer)
+            out = torch.empty(shape, dtype=slot.data.dtype, device=slot.data.device,
+                              pin_memory=self._pin_out(slot.data))
+            try:
+                wanted = self._gather_native(layer, slot, index, out) if index.numel() else 0
+            except IndexError:
+                raise IndexError(f"gather: token index beyond the {slot.length} stored in layer {layer}.") from None
+            if wanted is None:
+                wanted = self._gather_torch(layer, slot, index, out)
+            self.bytes_read += wanted * math.prod(shape[3:]) * out.element_size()
         out = self._to(out, device, non_blocking)
         return out[..., 0, :], out[..., 1, :]
+
+    def _gather_torch(self, layer: int, slot: _Slot, index: torch.Tensor, out: torch.Tensor) -> int:
+        """:meth:`gather`'s rows through torch (a device's storage, or no C kernel); returns the rows read."""
+        b, h = slot.data.shape[1:3]
+        rows = slot.data.view(-1, *slot.data.shape[4:])
+        low, high = (int(x) for x in index.aminmax())
+        if high >= slot.length:
+            raise IndexError(f"gather: token index beyond the {slot.length} stored in layer {layer}.")
+        heads = torch.arange(b * h, device=index.device).view(b, h, 1)
+        flat = ((torch.div(index, BLOCK, rounding_mode="floor") * (b * h) + heads) * BLOCK + index % BLOCK).flatten()
+        if low >= 0:  # everything wanted: the common case, one gather
+            torch.index_select(rows, 0, flat, out=out.view(-1, *out.shape[3:]))
+            wanted = index.numel()
+        else:
+            keep = (index >= 0).flatten().nonzero().squeeze(1)
+            out.zero_()
+            out.view(-1, *out.shape[3:])[keep] = rows.index_select(0, flat[keep])
+            wanted = keep.numel()
+        if wanted:
+            self._drop_pages(layer)  # read through the storage (a mapped file's pages)
+        return wanted
 
     def crop(self, layer: int, length: int) -> None:
         """Keep the first ``length`` tokens of the layer (``length < 0`` removes ``-length`` from the end)."""
@@ -371,6 +385,14 @@ def _remove_dir(path: str, owner_pid: int | None = None, lock_fd: int | None = N
     shutil.rmtree(path, ignore_errors=True)
     if lock_fd is not None:
         os.close(lock_fd)
+
+
+def _close_and_remove(fds: dict[int, int], path: str, owner_pid: int, lock_fd: int) -> None:
+    """A disk tier's end: its layers' descriptors closed (a removed file open somewhere keeps its disk space),
+    then :func:`_remove_dir`."""
+    while fds:
+        os.close(fds.popitem()[1])
+    _remove_dir(path, owner_pid, lock_fd)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -506,7 +528,8 @@ class DiskTier(Tier):
             raise
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         os.write(lock_fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-        self._finalizer = weakref.finalize(self, _remove_dir, self.path, os.getpid(), lock_fd)
+        self._fds: dict[int, int] = {}  # layer -> its file, open read-write
+        self._finalizer = weakref.finalize(self, _close_and_remove, self._fds, self.path, os.getpid(), lock_fd)
         self._maps: dict[int, np.memmap] = {}
         self._meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
 
@@ -516,12 +539,10 @@ class DiskTier(Tier):
     def _map(self, layer: int, blocks: int, tail: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
         itemsize = torch.empty((), dtype=dtype).element_size()
         shape = (blocks, *tail[:-1], tail[-1] * itemsize)
-        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_TRUNC if create else 0)
-        fd = os.open(self.file(layer), flags, 0o600)
-        try:
-            self._reserve(fd, layer, math.prod(shape))
-        finally:
-            os.close(fd)
+        if create:  # the layer's descriptor, open as long as its file: the gathers read and the appends write it
+            self._close_fd(layer)
+            self._fds[layer] = os.open(self.file(layer), os.O_RDWR | os.O_NOFOLLOW | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._reserve(self._fds[layer], layer, math.prod(shape))
         mm = np.memmap(self.file(layer), dtype=np.uint8, mode="r+", shape=shape)
         self._maps[layer] = mm
         return torch.from_numpy(mm).view(dtype)
@@ -565,21 +586,26 @@ class DiskTier(Tier):
         tail, dtype = self._meta[layer]
         return self._map(layer, blocks, tail, dtype, create=False)
 
-    def _gather_rows(self, layer, rows, flat, out):
+    def _gather_native(self, layer, slot, index, out):
         # pread copies the page cache's bytes without mapping them. Faulting the mapping's pages in and dropping
         # them again at every fetch took about 1.5x as long on this layout (FreeKV's fetches over 30 layers of
         # SmolLM2 at 2K, KVCOMP_NATIVE=0 against 1); KVCOMP_NATIVE=0 or no compiler still reads that way.
-        row_bytes = rows[0].numel() * rows.element_size()
-        fd = os.open(self.file(layer), os.O_RDONLY | os.O_NOFOLLOW)
         try:
-            if cpu_native.pread_rows(fd, flat, row_bytes, out):
-                return False
+            return cpu_native.gather_tokens(self._fds[layer], None, index, slot.length, BLOCK, out)
         except OSError as err:
             raise OSError(err.errno, f"Reading layer {layer} of the disk tier {self.file(layer)} failed: "
                           f"{err.strerror}.") from None
-        finally:
-            os.close(fd)
-        return super()._gather_rows(layer, rows, flat, out)
+
+    def _write_tokens(self, layer, slot, start, kv):
+        # pwrite, like the gather's pread: an append through the mapping faulted its page in, and giving it back
+        # (madvise) took longer than the write (~30 us of a ~80 us append per layer, SmolLM2's decode steps).
+        try:
+            if cpu_native.pwrite_tokens(self._fds[layer], kv, start, BLOCK):
+                return False
+        except OSError as err:
+            raise OSError(err.errno, f"Writing layer {layer} of the disk tier {self.file(layer)} failed: "
+                          f"{err.strerror}.") from None
+        return super()._write_tokens(layer, slot, start, kv)
 
     def _drop_pages(self, layer):
         # The file's pages stay in the OS page cache (written back when the kernel decides); unmapping them here
@@ -588,7 +614,13 @@ class DiskTier(Tier):
         if mm is not None and hasattr(mm, "madvise"):
             mm.madvise(mmap.MADV_DONTNEED)
 
+    def _close_fd(self, layer: int) -> None:
+        fd = self._fds.pop(layer, None)
+        if fd is not None:
+            os.close(fd)
+
     def _release(self, layer):
+        self._close_fd(layer)
         self._maps.pop(layer, None)
         self._meta.pop(layer, None)
         try:

@@ -26,8 +26,10 @@ def tier(request, tmp_path):
     t.close()
 
 
+@pytest.mark.parametrize("native", ["1", "0"], ids=["kernel", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_append_read_gather_round_trip_exactly(tier, dtype):
+def test_write_append_read_gather_round_trip_exactly(tier, dtype, native, monkeypatch):
+    monkeypatch.setenv("KVCOMP_NATIVE", native)  # the C kernel's writes and gathers, and torch's
     k0, v0 = kv(40, 0, dtype)
     tier.write(0, k0, v0)
     blocks = [(k0, v0)]
@@ -127,6 +129,44 @@ def test_disk_tier_files_are_removed_on_free_close_and_context_exit(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def open_files_under(path) -> list[str]:
+    """The files under ``path`` this process holds open (a removed one ends in " (deleted)"), one entry per
+    descriptor (a mapping holds one of its own)."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the directory listing's own descriptor, closed by now
+            continue
+        if target.startswith(str(path)):
+            names.append(os.path.basename(target))
+    return sorted(names)
+
+
+@pytest.mark.parametrize("end", ["free", "close", "garbage collection"])
+def test_disk_tier_closes_its_layer_files_at_every_end(tmp_path, end):
+    """A layer's file stays open while it is stored (the gathers read and the appends write it) and is closed
+    when it goes: a removed file still open would keep its disk space."""
+    tier = DiskTier(directory=tmp_path)
+    for layer in range(3):
+        tier.write(layer, *kv(40, layer))
+        tier.append(layer, *kv(300, layer))  # grows the file: the same descriptor
+    tier.write(1, *kv(8, 9))  # replaces layer 1: its old file closed, a new one opened
+    assert not any(name.endswith("(deleted)") for name in open_files_under(tmp_path))
+    assert set(open_files_under(tmp_path)) == {"layer0.kv", "layer1.kv", "layer2.kv", "owner.lock"}
+    if end == "free":
+        for layer in range(3):
+            tier.free(layer)
+        assert open_files_under(tmp_path) == ["owner.lock"]
+    elif end == "close":
+        tier.close()
+    else:
+        del tier
+        gc.collect()
+    if end != "free":
+        assert open_files_under(tmp_path) == [] and os.listdir(tmp_path) == []
+
+
 def resident_kib(path) -> int:
     """This process's resident KiB of the mappings of file ``path`` (Linux's /proc/self/smaps)."""
     total, inside = 0, False
@@ -140,9 +180,11 @@ def resident_kib(path) -> int:
     return total
 
 
-def test_disk_tier_accesses_leave_none_of_the_file_resident(tmp_path):
+@pytest.mark.parametrize("native", ["1", "0"], ids=["kernel", "torch"])
+def test_disk_tier_accesses_leave_none_of_the_file_resident(tmp_path, native, monkeypatch):
     # 20,001 tokens of 384 bytes (7.3 MiB): rows straddle pages, and an append or a read touches one part of
     # the file, whose neighbouring pages a read fault may map as well.
+    monkeypatch.setenv("KVCOMP_NATIVE", native)  # pread / pwrite, or through the mapping then madvise
     tier = DiskTier(directory=tmp_path)
     k, v = kv(20001, 0)
     tier.write(0, k, v)
@@ -157,15 +199,16 @@ def test_disk_tier_accesses_leave_none_of_the_file_resident(tmp_path):
     tier.close()
 
 
-def test_disk_tier_gathers_with_reads_equal_to_the_mapped_gather(tmp_path, monkeypatch):
-    """The disk tier reads gathered rows with pread (nothing mapped): the same bytes as the gather through the
-    mapping (KVCOMP_NATIVE=0), for runs of pages, scattered tokens, repeats, descending order, spans longer than
-    one read, and -1 slots."""
+@pytest.mark.parametrize("kind", ["ram", "disk"])
+def test_gathers_through_the_kernel_equal_torchs(tmp_path, monkeypatch, kind):
+    """The C kernel's gather (the disk tier's with pread, nothing mapped; a memory tier's with copies) gives
+    the same bytes as torch's (KVCOMP_NATIVE=0, through the mapping on disk), for runs of pages, scattered
+    tokens, repeats, descending order, spans longer than one read, and -1 slots."""
     from kvcomp.kernels import cpu_native
 
     if cpu_native.load() is None:
         pytest.skip("no C compiler")
-    tier = DiskTier(directory=tmp_path)
+    tier = make_tier(kind, **({"directory": tmp_path} if kind == "disk" else {}))
     k, v = kv(9000, 3)
     tier.write(0, k, v)
     g = torch.Generator().manual_seed(4)
@@ -179,19 +222,21 @@ def test_disk_tier_gathers_with_reads_equal_to_the_mapped_gather(tmp_path, monke
         "with -1": torch.randint(-1, 9000, (B, H, 64), generator=g),
     }
     reads = []
-    native = cpu_native.pread_rows
-    monkeypatch.setattr(cpu_native, "pread_rows", lambda *a: reads.append(1) or native(*a))
+    native = cpu_native.gather_tokens
+    monkeypatch.setattr(cpu_native, "gather_tokens", lambda *a: reads.append(native(*a)) or reads[-1])
     for name, index in cases.items():
         got = tier.gather(0, index)
         with monkeypatch.context() as m:
             m.setenv("KVCOMP_NATIVE", "0")
-            mapped = tier.gather(0, index)
+            through_torch = tier.gather(0, index)
         expected = k.gather(2, index.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, D))
         expected = expected.masked_fill(index.unsqueeze(-1) < 0, 0)
-        assert torch.equal(got[0], mapped[0]) and torch.equal(got[1], mapped[1]), name
+        assert torch.equal(got[0], through_torch[0]) and torch.equal(got[1], through_torch[1]), name
         assert torch.equal(got[0], expected), name
-    assert len(reads) == 2 * len(cases)  # each case read once with, once without (declined) the kernel
-    assert resident_kib(tier.file(0)) == 0
+    # Each case went through the kernel once (the rows it read) and was declined once (None).
+    assert reads == [x for index in cases.values() for x in (int((index >= 0).sum()), None)]
+    if kind == "disk":
+        assert resident_kib(tier.file(0)) == 0
     tier.close()
 
 
@@ -202,16 +247,20 @@ def test_disk_tier_read_past_the_file_or_of_a_bad_descriptor_is_an_error(tmp_pat
         pytest.skip("no C compiler")
     tier = DiskTier(directory=tmp_path)
     tier.write(0, *kv(64, 5))
-    out = torch.empty(1, 2, D)
+    out = torch.empty(1, 1, 1, 2, D)
     fd = os.open(tier.file(0), os.O_RDONLY)
     try:
-        rows = os.fstat(fd).st_size // (2 * D * 4)
+        rows = os.fstat(fd).st_size // (2 * D * 4)  # one head: token t is row t
         with pytest.raises(OSError, match="Input/output error"):  # a short read
-            cpu_native.pread_rows(fd, torch.tensor([rows]), 2 * D * 4, out)
+            cpu_native.gather_tokens(fd, None, torch.tensor([[[rows]]]), rows + 1, tiers.BLOCK, out)
+        with pytest.raises(IndexError, match="beyond the 64 stored"):
+            cpu_native.gather_tokens(fd, None, torch.tensor([[[64]]]), 64, tiers.BLOCK, out)
     finally:
         os.close(fd)
     with pytest.raises(OSError, match="Bad file descriptor"):
-        cpu_native.pread_rows(fd, torch.tensor([0]), 2 * D * 4, out)
+        cpu_native.gather_tokens(fd, None, torch.tensor([[[0]]]), 64, tiers.BLOCK, out)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        cpu_native.pwrite_tokens(fd, out, 0, tiers.BLOCK)
     tier.close()
 
 

@@ -22,6 +22,7 @@ user's (or a link) is not used: the library is then built and loaded from a priv
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import os
 import shutil
@@ -29,6 +30,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -865,13 +867,13 @@ void evict_lowest_f32(const float* scores, int64_t sb, int64_t sh, const int32_t
     }
 }
 
-/* Rows `flat` (n of them, `row` bytes each; row r at byte offset r * row of the file `fd`) into out, row after
-   row, through the page cache without mapping the file. Rows of ascending indices at most `gap` bytes apart
+/* Rows `flat` (n of them, `row` bytes each; row r at byte offset r * row of the file `fd`) into rows `pos` of
+   out, through the page cache without mapping the file. Rows of ascending indices at most `gap` bytes apart
    whose span fits `bounce` (`size` bytes) are one pread into it, then copied out (one read of a few large spans
-   costs less than many small ones, or one preadv of many pieces); consecutive rows are read into out directly.
-   Returns 0, -errno of a failed read, or -EIO for a short one. */
-int64_t pread_rows(int fd, const int64_t* flat, int64_t n, int64_t row, char* out, char* bounce, int64_t size,
-                   int64_t gap) {
+   costs less than many small ones, or one preadv of many pieces); consecutive rows going to consecutive places
+   are read into out directly. Returns 0, -errno of a failed read, or -EIO for a short one. */
+static int64_t pread_rows(int fd, const int64_t* flat, const int64_t* pos, int64_t n, int64_t row, char* out,
+                          char* bounce, int64_t size, int64_t gap) {
     int64_t i = 0;
     while (i < n) {
         int64_t j = i;
@@ -879,8 +881,8 @@ int64_t pread_rows(int fd, const int64_t* flat, int64_t n, int64_t row, char* ou
                && (flat[j + 1] - flat[i] + 1) * row <= size)
             j++;
         const int64_t want = (flat[j] - flat[i] + 1) * row;
-        const int direct = flat[j] - flat[i] == j - i;  /* consecutive rows: read straight into out */
-        char* dst = direct ? out + i * row : bounce;
+        const int direct = flat[j] - flat[i] == j - i && pos[j] - pos[i] == j - i;
+        char* dst = direct ? out + pos[i] * row : bounce;
         int64_t done = 0;
         while (done < want) {
             const ssize_t got = pread(fd, dst + done, (size_t)(want - done), (off_t)(flat[i] * row + done));
@@ -890,9 +892,65 @@ int64_t pread_rows(int fd, const int64_t* flat, int64_t n, int64_t row, char* ou
             done += got;
         }
         if (!direct)
-            for (int64_t r = i; r <= j; r++) memcpy(out + r * row, bounce + (flat[r] - flat[i]) * row, (size_t)row);
+            for (int64_t r = i; r <= j; r++)
+                memcpy(out + pos[r] * row, bounce + (flat[r] - flat[i]) * row, (size_t)row);
         i = j + 1;
     }
+    return 0;
+}
+
+/* The tiers' blocked storage (kvcomp.tiers): token t of head j (of bh) is row ((t / block) * bh + j) * block
+   + t % block, `row` bytes (the token's K and V). */
+static inline int64_t token_row(int64_t t, int64_t j, int64_t bh, int64_t block) {
+    return ((t / block) * bh + j) * block + t % block;
+}
+
+/* Tokens `index` ([bh, k], long; < 0: nothing, a zero row) of the blocked storage into out ([bh, k] rows), read
+   from the file `fd` (pread_rows, `flat` and `pos` scratch of bh * k) or, with fd < 0, copied from `base`.
+   Returns the rows read, -ERANGE for an index at or past `length` (nothing is read then), or pread_rows' error. */
+int64_t gather_tokens(int fd, const char* base, const int64_t* index, int64_t bh, int64_t k, int64_t length,
+                      int64_t block, int64_t row, char* out, int64_t* flat, int64_t* pos, char* bounce,
+                      int64_t size, int64_t gap) {
+    for (int64_t i = 0; i < bh * k; i++)
+        if (index[i] >= length) return -ERANGE;
+    int64_t n = 0;
+    for (int64_t j = 0; j < bh; j++)
+        for (int64_t i = 0; i < k; i++) {
+            const int64_t t = index[j * k + i], at = j * k + i;
+            if (t < 0) {
+                memset(out + at * row, 0, (size_t)row);
+                continue;
+            }
+            flat[n] = token_row(t, j, bh, block);
+            pos[n++] = at;
+        }
+    if (fd < 0) {
+        for (int64_t r = 0; r < n; r++) memcpy(out + pos[r] * row, base + flat[r] * row, (size_t)row);
+        return n;
+    }
+    const int64_t rc = pread_rows(fd, flat, pos, n, row, out, bounce, size, gap);
+    return rc < 0 ? rc : n;
+}
+
+/* Tokens [start, start + n) of each of the bh heads (`src`: [bh, n] rows of `row` bytes) into the blocked
+   storage in the file `fd`, one pwrite per head and block (nothing mapped into this process). Returns 0 or
+   -errno of a failed write (-EIO for one that wrote nothing). */
+int64_t pwrite_tokens(int fd, const char* src, int64_t bh, int64_t n, int64_t start, int64_t block, int64_t row) {
+    for (int64_t j = 0; j < bh; j++)
+        for (int64_t i = 0; i < n;) {
+            const int64_t t = start + i, take = block - t % block < n - i ? block - t % block : n - i;
+            const char* from = src + (j * n + i) * row;
+            const int64_t want = take * row, at = token_row(t, j, bh, block) * row;
+            int64_t done = 0;
+            while (done < want) {
+                const ssize_t put = pwrite(fd, from + done, (size_t)(want - done), (off_t)(at + done));
+                if (put < 0 && errno == EINTR) continue;
+                if (put < 0) return -errno;
+                if (put == 0) return -EIO;
+                done += put;
+            }
+            i += take;
+        }
     return 0;
 }
 
@@ -1062,9 +1120,13 @@ def _compile() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_void_p,
                                                                                           ctypes.c_int]
-    fn = lib.pread_rows
+    fn = lib.gather_tokens
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 4
+                   + [ctypes.c_int64] * 2)
+    fn = lib.pwrite_tokens
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 5
     fn = lib.page_scores_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
@@ -1278,24 +1340,65 @@ READ_SPAN = 1 << 18  # bytes of the file one read covers at most (the rows betwe
 READ_GAP = 1 << 14  # bytes between two wanted rows read along with them rather than start another read
 
 
-def pread_rows(fd: int, flat: torch.Tensor, row_bytes: int, out: torch.Tensor) -> bool:
-    """Rows ``flat`` (int64 row indices; row ``r`` is bytes ``[r * row_bytes, (r + 1) * row_bytes)`` of the open
-    file ``fd``) into ``out`` (``len(flat)`` rows of ``row_bytes``, contiguous, CPU), with ``pread``: the
-    page cache's bytes are copied, nothing is mapped into this process. Rows of ascending indices close together
-    share one read. False (nothing read) when the kernel is off or unavailable; ``OSError`` when a read fails."""
-    if not (enabled() and out.device.type == "cpu" and out.is_contiguous() and flat.device.type == "cpu"
-            and flat.dtype == torch.int64 and out.numel() * out.element_size() == flat.numel() * row_bytes):
+def gather_tokens(fd: int, storage: torch.Tensor | None, index: torch.Tensor, length: int, block: int,
+                  out: torch.Tensor) -> int | None:
+    """Tokens ``index`` (``[B, H, k]`` int64; ``< 0``: a zero row, nothing read) of a tier's blocked storage
+    (:mod:`kvcomp.tiers`: token ``t`` of head ``j`` is row ``((t // block) * B * H + j) * block + t % block``)
+    into ``out`` (``[B, H, k, ...]``, contiguous, CPU, one row per token), from the open file ``fd`` with
+    ``pread`` (the page cache's bytes copied, nothing mapped into this process; rows close together share a
+    read) or, with ``fd < 0``, copied from ``storage`` (contiguous, CPU). Returns the rows read; None when the
+    kernel is off or unavailable or the tensors do not qualify (nothing read); ``IndexError`` for an index at or
+    past ``length`` (nothing read), ``OSError`` when a read fails."""
+    row = out[0, 0, 0].numel() * out.element_size() if out.numel() else 0
+    if not (enabled() and row and out.device.type == "cpu" and out.is_contiguous()
+            and index.device.type == "cpu" and index.dtype == torch.int64
+            and (fd >= 0 or (storage is not None and storage.device.type == "cpu" and storage.is_contiguous()
+                             and storage.dtype == out.dtype))):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    index = index.contiguous()
+    scratch = torch.empty(2, index.numel(), dtype=torch.int64)
+    bounce = _bounce() if fd >= 0 else None
+    rc = lib.gather_tokens(fd, None if storage is None else storage.data_ptr(), index.data_ptr(),
+                           index.shape[0] * index.shape[1], index.shape[2], length, block, row, out.data_ptr(),
+                           scratch[0].data_ptr(), scratch[1].data_ptr(), None if bounce is None else bounce.data_ptr(),
+                           READ_SPAN, READ_GAP)
+    if rc == -errno.ERANGE:
+        raise IndexError(f"token index beyond the {length} stored")
+    if rc < 0:
+        raise OSError(-rc, os.strerror(-rc))
+    return rc
+
+
+def pwrite_tokens(fd: int, kv: torch.Tensor, start: int, block: int) -> bool:
+    """``kv`` (``[B, H, n, ...]``, one row per token) as tokens ``[start, start + n)`` of the blocked storage
+    (:func:`gather_tokens`) in the open file ``fd``, with ``pwrite`` (nothing mapped into this process). False
+    (nothing written) when the kernel is off or unavailable; ``OSError`` when a write fails."""
+    if not (enabled() and kv.device.type == "cpu" and kv.numel()):
         return False
     lib = load()
     if lib is None:
         return False
-    flat = flat.contiguous()
-    bounce = torch.empty(READ_SPAN, dtype=torch.uint8)
-    rc = lib.pread_rows(fd, flat.data_ptr(), flat.numel(), row_bytes, out.data_ptr(), bounce.data_ptr(), READ_SPAN,
-                        READ_GAP)
-    if rc:
+    kv = kv.contiguous()
+    b, h, n = kv.shape[:3]
+    rc = lib.pwrite_tokens(fd, kv.data_ptr(), b * h, n, start, block, kv[0, 0, 0].numel() * kv.element_size())
+    if rc < 0:
         raise OSError(-rc, os.strerror(-rc))
     return True
+
+
+_bounces = threading.local()
+
+
+def _bounce() -> torch.Tensor:
+    """This thread's buffer for :func:`gather_tokens`' spans (allocated once: a fresh 256 KiB buffer each call
+    is a fresh mapping, faulted in page by page)."""
+    buffer = getattr(_bounces, "buffer", None)
+    if buffer is None:
+        buffer = _bounces.buffer = torch.empty(READ_SPAN, dtype=torch.uint8)
+    return buffer
 
 
 def supports_top(scores: torch.Tensor) -> bool:
