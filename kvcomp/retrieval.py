@@ -248,10 +248,11 @@ class Retrieval(Compressor):
             st.speculated += b * h
             held = _members(units, spec, self._n_units(state))  # this step's units the prefetch holds
             recall_heads = held.float().mean(-1) if units.shape[-1] else torch.ones(b, h, device=units.device)
-            st.recall_sum += float(recall_heads.sum())
             if self.correction == "missed":
+                recall = float(recall_heads.sum())
+                st.recall_sum += recall
                 result = self._fetch_missed(state, result, spec, units, held)
-                st.served_sum += float(recall_heads.sum())  # the kept prefetched units; the missed ones were fetched
+                st.served_sum += recall  # the kept prefetched units; the missed ones were fetched
             else:
                 result, units = self._correct_moved(state, qg, result, spec, units, held, recall_heads)
         keys, values, index = result.keys, result.values, result.request.index
@@ -278,10 +279,14 @@ class Retrieval(Compressor):
         missed ones fetched synchronously); the others attend the prefetch."""
         cos = F.cosine_similarity(qg.float(), state.prev_q.float(), dim=-1).mean(-1)  # [B, H]
         stale = cos < self.tau
-        state.stats.corrected += int(stale.sum())
+        # One read back for the decision and the statistics: per KV head, whether it moved, and its recall.
+        moved, recalls = torch.stack([stale.to(recall_heads.dtype), recall_heads]).view(2, -1).tolist()
+        st = state.stats
+        st.recall_sum += sum(recalls)
+        st.corrected += int(sum(moved))
         # Uncorrected heads attend the whole prefetch; corrected ones the part of it their selection kept.
-        state.stats.served_sum += float(torch.where(stale, recall_heads, 1.0).sum())
-        if not bool(stale.any()):
+        st.served_sum += sum(r if m else 1.0 for m, r in zip(moved, recalls))
+        if not any(moved):
             return result, spec
         width = max(spec.shape[-1], units.shape[-1])
         result = self._refetch(state, result, spec, units, held, stale, width * self.unit)

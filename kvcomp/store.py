@@ -570,10 +570,10 @@ class StoreTier(Tier):
         kv = kv.to(self.device)
         return kv[..., 0, :], kv[..., 1, :]
 
-    def gather(self, layer: int, index: torch.Tensor, device=None,
-               non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v)`` of tokens ``index`` ``[B, H, k]`` (``< 0``: zeros, not read); stored tokens come back in
-        one batch of ranged reads, consecutive tokens of a head coalesced into one range."""
+    def gather_rows(self, layer: int, index: torch.Tensor, device=None,
+                    non_blocking: bool = False) -> tuple[torch.Tensor, int]:
+        """:meth:`Tier.gather_rows`: stored tokens come back in one batch of ranged reads, consecutive tokens of a
+        head coalesced into one range; tokens appended after them from memory."""
         with self._lock:
             if layer not in self._base:
                 raise KeyError(f"StoreTier holds no K/V for layer {layer} (layers: {self.layers}).")
@@ -597,11 +597,10 @@ class StoreTier(Tier):
             tail = idx >= base.limit
             if tail.any():
                 local = torch.from_numpy(np.where(tail, idx - base.limit, -1)).to(index.device)
-                tk, tv = self._tail.gather(layer, local)
+                rows, _ = self._tail.gather_rows(layer, local)
                 mask = torch.from_numpy(tail)
-                out[mask] = torch.stack([tk, tv], dim=3).cpu()[mask]
-        out = self._to(out, device, non_blocking)
-        return out[..., 0, :], out[..., 1, :]
+                out[mask] = rows.cpu()[mask]
+        return self._to(out, device, non_blocking), int(stored.sum() + tail.sum())
 
     def _gather_stored(self, base: _Base, idx: np.ndarray, stored: np.ndarray, out: torch.Tensor) -> None:
         b, h, n, d = base.shape

@@ -238,9 +238,17 @@ class Tier:
                non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` ``[B, H, k, D]`` of the tokens ``index`` ``[B, H, k]`` (long, per row and head).
 
-        Entries ``< 0`` are not read: their K/V are zeros and they cost no bytes. A token's K and V of one head
-        are one row of the storage: the C kernel copies the rows (:meth:`_gather_native`), else one
-        ``index_select`` over the storage's ``[blocks * B * H * BLOCK, 2, D]`` rows."""
+        Entries ``< 0`` are not read: their K/V are zeros and they cost no bytes."""
+        out, _ = self.gather_rows(layer, index, device, non_blocking)
+        return out[..., 0, :], out[..., 1, :]
+
+    def gather_rows(self, layer: int, index: torch.Tensor, device=None,
+                    non_blocking: bool = False) -> tuple[torch.Tensor, int]:
+        """:meth:`gather`'s K/V as rows ``[B, H, k, 2, D]``, and how many of them were read (entries ``>= 0``).
+
+        A token's K and V of one head are one row of the storage: the C kernel copies the rows
+        (:meth:`_gather_native`), else one ``index_select`` over the storage's ``[blocks * B * H * BLOCK, 2, D]``
+        rows."""
         with self._lock:
             slot = self._slot(layer)
             b, h = slot.data.shape[1:3]
@@ -257,8 +265,7 @@ class Tier:
             if wanted is None:
                 wanted = self._gather_torch(layer, slot, index, out)
             self.bytes_read += wanted * math.prod(shape[3:]) * out.element_size()
-        out = self._to(out, device, non_blocking)
-        return out[..., 0, :], out[..., 1, :]
+        return self._to(out, device, non_blocking), wanted
 
     def _gather_torch(self, layer: int, slot: _Slot, index: torch.Tensor, out: torch.Tensor) -> int:
         """:meth:`gather`'s rows through torch (a device's storage, or no C kernel); returns the rows read."""
@@ -691,9 +698,8 @@ class FetchRequest:
         if self.index is None:
             k, v = self.tier.read(self.layer, self.start, self.stop, **kwargs)
             return k, v, k.shape[0] * k.shape[1] * k.shape[2]
-        wanted = int((self.index >= 0).sum())
-        k, v = self.tier.gather(self.layer, self.index, **kwargs)
-        return k, v, wanted
+        rows, wanted = self.tier.gather_rows(self.layer, self.index, **kwargs)
+        return rows[..., 0, :], rows[..., 1, :], wanted
 
 
 @dataclass
