@@ -44,6 +44,7 @@ contiguous positions (it cannot follow an eviction stage in ``Compose``). Per-st
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -242,7 +243,7 @@ class Retrieval(Compressor):
         speculates = self._speculates(state)
         result = state.prefetcher.wait(state.step) if speculates else None
         if result is None:
-            result = state.prefetcher.fetch(state.step, self._request(state, units))
+            result = state.prefetcher.fetch(state.step, self._request(state, units, skips=False))
         else:
             spec = state.pending_units
             st.speculated += b * h
@@ -404,14 +405,14 @@ class Retrieval(Compressor):
         scores = self.score(state, qg, scaling)
         return kernels.top_ascending(scores, k)
 
-    def _request(self, state: RetrievalState, units: torch.Tensor) -> FetchRequest:
-        """Token indices ``[B, H, k * unit]`` of ``units`` (-1 stays -1)."""
-        if self.unit == 1:
-            return FetchRequest(state.tier, state.layer, (units + state.n_sink).masked_fill_(units < 0, -1))
-        offsets = torch.arange(self.unit, device=units.device)
-        tokens = state.n_sink + units.unsqueeze(-1) * self.unit + offsets
-        tokens = tokens.masked_fill(units.unsqueeze(-1) < 0, -1).flatten(2)
-        return FetchRequest(state.tier, state.layer, tokens)
+    def _request(self, state: RetrievalState, units: torch.Tensor, skips: bool = True) -> FetchRequest:
+        """Token indices ``[B, H, k * unit]`` of ``units`` (-1 stays -1; ``skips=False``: the caller knows there
+        is none, a selection)."""
+        units = units.unsqueeze(-1)  # [B, H, k, 1]
+        tokens = units * self.unit + _token_offsets(self.unit, state.n_sink, units.device)  # [B, H, k, unit]
+        if skips:
+            tokens.masked_fill_(units < 0, -1)
+        return FetchRequest(state.tier, state.layer, tokens.flatten(2))
 
     def _positions(self, state: RetrievalState, start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
         b, h = state.sink_k.shape[:2]
@@ -440,7 +441,7 @@ class Retrieval(Compressor):
         state.prev_q = qg.clone()
         state.pending_units = units
         state.scratch = None  # per-step intermediates do not outlive the step
-        request = self._request(state, units)
+        request = self._request(state, units, skips=False)
         state.prefetcher.submit(state.step + 1, request)
         # The step's own buffer is released after its attention; the prefetch buffer takes its place.
         state.fetch_bytes = 2 * request.index.numel() * d * state.sink_k.element_size()
@@ -466,6 +467,12 @@ def _gathers_locally(device: torch.device, tier) -> bool:
 
 def _buffer_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
     return keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
+
+@functools.lru_cache(maxsize=16)
+def _token_offsets(unit: int, first: int, device: torch.device) -> torch.Tensor:
+    """``first + [0, unit)``: the tokens of unit 0 (a unit's tokens are these plus ``unit`` times its index)."""
+    return torch.arange(first, first + unit, device=device)
 
 
 def _pad_units(units: torch.Tensor, width: int) -> torch.Tensor:

@@ -154,11 +154,10 @@ class Tier:
         when it is CPU memory."""
         return cpu_native.gather_tokens(-1, slot.data, index, slot.length, BLOCK, out)
 
-    def _write_tokens(self, layer: int, slot: _Slot, start: int, kv: torch.Tensor) -> bool:
-        """Write ``kv`` ``[B, H, n, 2, D]`` as tokens ``[start, start + n)``; returns whether it wrote through
-        the storage (so :meth:`_drop_pages` has pages to give back)."""
-        _place(slot.data, start, kv)
-        return True
+    def _write_native(self, layer: int, slot: _Slot, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Write ``k``, ``v`` ``[B, H, n, D]`` after the stored tokens with the C kernel; False where it does not
+        (the write then goes through torch into the storage). Default: False."""
+        return False
 
     # -- API -------------------------------------------------------------------------------------------
     @property
@@ -201,13 +200,12 @@ class Tier:
     def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         slot = self._slots[layer]
         n = k.shape[2]
-        mapped = False
-        # In bounded chunks: interleaving K and V into the storage layout never copies the whole layer at once.
-        for a in range(0, n, WRITE_CHUNK):
-            b = min(n, a + WRITE_CHUNK)
-            kv = torch.stack([k[:, :, a:b], v[:, :, a:b]], dim=3)  # [B, H, b - a, 2, D]
-            mapped |= self._write_tokens(layer, slot, slot.length + a, kv.to(slot.data.device, slot.data.dtype))
-        if mapped:
+        if not self._write_native(layer, slot, k, v):
+            # In bounded chunks: interleaving K and V into the storage layout never copies the whole layer.
+            for a in range(0, n, WRITE_CHUNK):
+                b = min(n, a + WRITE_CHUNK)
+                kv = torch.stack([k[:, :, a:b], v[:, :, a:b]], dim=3)  # [B, H, b - a, 2, D]
+                _place(slot.data, slot.length + a, kv.to(slot.data.device, slot.data.dtype))
             self._drop_pages(layer)
         slot.length += n
         self.bytes_written += 2 * k.numel() * slot.data.element_size()
@@ -603,16 +601,15 @@ class DiskTier(Tier):
             raise OSError(err.errno, f"Reading layer {layer} of the disk tier {self.file(layer)} failed: "
                           f"{err.strerror}.") from None
 
-    def _write_tokens(self, layer, slot, start, kv):
-        # pwrite, like the gather's pread: an append through the mapping faulted its page in, and giving it back
+    def _write_native(self, layer, slot, k, v):
+        # pwritev, like the gather's pread: an append through the mapping faulted its page in, and giving it back
         # (madvise) took longer than the write (~30 us of a ~80 us append per layer, SmolLM2's decode steps).
         try:
-            if cpu_native.pwrite_tokens(self._fds[layer], kv, start, BLOCK):
-                return False
+            return cpu_native.pwrite_tokens(self._fds[layer], k.to(slot.data.dtype), v.to(slot.data.dtype),
+                                            slot.length, BLOCK)
         except OSError as err:
             raise OSError(err.errno, f"Writing layer {layer} of the disk tier {self.file(layer)} failed: "
                           f"{err.strerror}.") from None
-        return super()._write_tokens(layer, slot, start, kv)
 
     def _drop_pages(self, layer):
         # The file's pages stay in the OS page cache (written back when the kernel decides); unmapping them here

@@ -260,7 +260,7 @@ def test_disk_tier_read_past_the_file_or_of_a_bad_descriptor_is_an_error(tmp_pat
     with pytest.raises(OSError, match="Bad file descriptor"):
         cpu_native.gather_tokens(fd, None, torch.tensor([[[0]]]), 64, tiers.BLOCK, out)
     with pytest.raises(OSError, match="Bad file descriptor"):
-        cpu_native.pwrite_tokens(fd, out, 0, tiers.BLOCK)
+        cpu_native.pwrite_tokens(fd, out[..., 0, :], out[..., 1, :], 0, tiers.BLOCK)
     tier.close()
 
 

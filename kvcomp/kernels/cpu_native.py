@@ -43,6 +43,7 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -932,22 +933,43 @@ int64_t gather_tokens(int fd, const char* base, const int64_t* index, int64_t bh
     return rc < 0 ? rc : n;
 }
 
-/* Tokens [start, start + n) of each of the bh heads (`src`: [bh, n] rows of `row` bytes) into the blocked
-   storage in the file `fd`, one pwrite per head and block (nothing mapped into this process). Returns 0 or
-   -errno of a failed write (-EIO for one that wrote nothing). */
-int64_t pwrite_tokens(int fd, const char* src, int64_t bh, int64_t n, int64_t start, int64_t block, int64_t row) {
+/* Tokens [start, start + n) of each of the bh heads into the blocked storage in the file `fd`: a token's row is
+   its key then its value (`half` bytes each, the keys at k and the values at v, [bh, n] of them each), one
+   pwritev per head and block (nothing mapped into this process). Returns 0 or -errno of a failed write (-EIO
+   for one that wrote nothing). */
+int64_t pwrite_tokens(int fd, const char* k, const char* v, int64_t bh, int64_t n, int64_t start, int64_t block,
+                      int64_t half) {
+    struct iovec iov[2 * 64];
     for (int64_t j = 0; j < bh; j++)
         for (int64_t i = 0; i < n;) {
-            const int64_t t = start + i, take = block - t % block < n - i ? block - t % block : n - i;
-            const char* from = src + (j * n + i) * row;
-            const int64_t want = take * row, at = token_row(t, j, bh, block) * row;
-            int64_t done = 0;
-            while (done < want) {
-                const ssize_t put = pwrite(fd, from + done, (size_t)(want - done), (off_t)(at + done));
+            int64_t take = block - (start + i) % block < n - i ? block - (start + i) % block : n - i;
+            if (take > 64) take = 64;
+            for (int64_t r = 0; r < take; r++) {
+                iov[2 * r].iov_base = (void*)(k + (j * n + i + r) * half);
+                iov[2 * r + 1].iov_base = (void*)(v + (j * n + i + r) * half);
+                iov[2 * r].iov_len = iov[2 * r + 1].iov_len = (size_t)half;
+            }
+            int64_t at = token_row(start + i, j, bh, block) * 2 * half, left = 2 * take * half;
+            struct iovec* next = iov;
+            int count = (int)(2 * take);
+            while (left > 0) {
+                const ssize_t put = pwritev(fd, next, count, (off_t)at);
                 if (put < 0 && errno == EINTR) continue;
                 if (put < 0) return -errno;
                 if (put == 0) return -EIO;
-                done += put;
+                at += put;
+                left -= put;
+                for (ssize_t done = put; done > 0 && count > 0;) {  /* past what was written */
+                    if ((size_t)done >= next->iov_len) {
+                        done -= (ssize_t)next->iov_len;
+                        next++;
+                        count--;
+                    } else {
+                        next->iov_base = (char*)next->iov_base + done;
+                        next->iov_len -= (size_t)done;
+                        done = 0;
+                    }
+                }
             }
             i += take;
         }
@@ -1126,7 +1148,7 @@ def _compile() -> ctypes.CDLL | None:
                    + [ctypes.c_int64] * 2)
     fn = lib.pwrite_tokens
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 5
+    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
     fn = lib.page_scores_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
@@ -1329,10 +1351,11 @@ def page_scores(q: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor,
     b, hq, _, d = q.shape
     h, pages = page_max.shape[1], page_max.shape[2]
     out = torch.empty(b, h, pages, dtype=torch.float32)
-    if out.numel():  # (the contiguous tensors are held until the call returns)
+    if out.numel():  # (the contiguous tensors are held until the call returns; under 2^16 multiply-adds, a
+        # second thread's start costs more than it saves: SmolLM2 at 2K, 64 pages)
         q, page_max, page_min = q.contiguous(), page_max.contiguous(), page_min.contiguous()
         load().page_scores_f32(q.data_ptr(), page_max.data_ptr(), page_min.data_ptr(), out.data_ptr(), b * h,
-                               hq // h, pages, d, max(1, min(torch.get_num_threads(), b * h * pages // 64)))
+                               hq // h, pages, d, max(1, min(torch.get_num_threads(), out.numel() * (hq // h) * d >> 16)))
     return out
 
 
@@ -1372,18 +1395,20 @@ def gather_tokens(fd: int, storage: torch.Tensor | None, index: torch.Tensor, le
     return rc
 
 
-def pwrite_tokens(fd: int, kv: torch.Tensor, start: int, block: int) -> bool:
-    """``kv`` (``[B, H, n, ...]``, one row per token) as tokens ``[start, start + n)`` of the blocked storage
-    (:func:`gather_tokens`) in the open file ``fd``, with ``pwrite`` (nothing mapped into this process). False
-    (nothing written) when the kernel is off or unavailable; ``OSError`` when a write fails."""
-    if not (enabled() and kv.device.type == "cpu" and kv.numel()):
+def pwrite_tokens(fd: int, k: torch.Tensor, v: torch.Tensor, start: int, block: int) -> bool:
+    """Keys and values ``k``, ``v`` (``[B, H, n, D]``) as tokens ``[start, start + n)`` of the blocked storage
+    (:func:`gather_tokens`; a token's row is its key then its value) in the open file ``fd``, with ``pwritev``
+    (nothing mapped into this process, K and V not interleaved in memory first). False (nothing written) when
+    the kernel is off or unavailable; ``OSError`` when a write fails."""
+    if not (enabled() and k.device.type == "cpu" and v.device.type == "cpu" and k.numel()
+            and k.shape == v.shape and k.dtype == v.dtype):
         return False
     lib = load()
     if lib is None:
         return False
-    kv = kv.contiguous()
-    b, h, n = kv.shape[:3]
-    rc = lib.pwrite_tokens(fd, kv.data_ptr(), b * h, n, start, block, kv[0, 0, 0].numel() * kv.element_size())
+    k, v = k.contiguous(), v.contiguous()
+    b, h, n, d = k.shape
+    rc = lib.pwrite_tokens(fd, k.data_ptr(), v.data_ptr(), b * h, n, start, block, d * k.element_size())
     if rc < 0:
         raise OSError(-rc, os.strerror(-rc))
     return True
