@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from kvcomp import kernels, validation
 from kvcomp.compressor import SENTINEL, Capabilities, Compressor, CompressorError, LayerContext
+from kvcomp.kernels.retrieval_ref import members
 from kvcomp.ops import dense_attention, take_slots
 from kvcomp.tiers import TIER_KINDS, FetchRequest, Prefetcher, Tier, make_tier
 
@@ -247,15 +248,15 @@ class Retrieval(Compressor):
         else:
             spec = state.pending_units
             st.speculated += b * h
-            held = _members(units, spec, self._n_units(state))  # this step's units the prefetch holds
-            recall_heads = held.float().mean(-1) if units.shape[-1] else torch.ones(b, h, device=units.device)
+            # This step's units the prefetch holds, their share per KV head, and how far each head's query moved.
+            held, recall_heads, cos = kernels.speculation_check(qg, state.prev_q, units, spec, self._n_units(state))
             if self.correction == "missed":
                 recall = float(recall_heads.sum())
                 st.recall_sum += recall
                 result = self._fetch_missed(state, result, spec, units, held)
                 st.served_sum += recall  # the kept prefetched units; the missed ones were fetched
             else:
-                result, units = self._correct_moved(state, qg, result, spec, units, held, recall_heads)
+                result, units = self._correct_moved(state, result, spec, units, held, recall_heads, cos)
         keys, values, index = result.keys, result.values, result.request.index
         state.fetch_bytes = _buffer_bytes(keys, values)
         tokens = int((index >= 0).sum()) if result.tokens is None else result.tokens
@@ -273,12 +274,11 @@ class Retrieval(Compressor):
             self._prefetch_next(state, q, ctx.scaling, None if advanced else fresh)
         return out
 
-    def _correct_moved(self, state: RetrievalState, qg: torch.Tensor, result, spec: torch.Tensor,
-                       units: torch.Tensor, held: torch.Tensor, recall_heads: torch.Tensor):
-        """``correction="cosine"`` (FreeKV): KV heads whose query moved (cosine to the last step's < ``tau``)
-        attend this step's own selection instead of the prefetch (its units the prefetch holds are kept, only the
-        missed ones fetched synchronously); the others attend the prefetch."""
-        cos = F.cosine_similarity(qg.float(), state.prev_q.float(), dim=-1).mean(-1)  # [B, H]
+    def _correct_moved(self, state: RetrievalState, result, spec: torch.Tensor, units: torch.Tensor,
+                       held: torch.Tensor, recall_heads: torch.Tensor, cos: torch.Tensor):
+        """``correction="cosine"`` (FreeKV): KV heads whose query moved (``cos``, the cosine to the last step's,
+        below ``tau``) attend this step's own selection instead of the prefetch (its units the prefetch holds are
+        kept, only the missed ones fetched synchronously); the others attend the prefetch."""
         stale = cos < self.tau
         # One read back for the decision and the statistics: per KV head, whether it moved, and its recall.
         moved, recalls = torch.stack([stale.to(recall_heads.dtype), recall_heads]).view(2, -1).tolist()
@@ -308,7 +308,7 @@ class Retrieval(Compressor):
         holds): the prefetched units they want are kept and the missed ones fetched synchronously; the other
         heads attend the prefetch ``spec`` unchanged. ``width`` tokens wide, in ascending token order."""
         own = heads.unsqueeze(-1)
-        wanted = _members(spec, units, self._n_units(state)) | ~own
+        wanted = members(spec, units, self._n_units(state)) | ~own
         missed = units.masked_fill(held | ~own, -1)
         fixed = state.prefetcher.fetch(state.step, self._request(state, missed)) if bool((missed >= 0).any()) else None
         return _complete(result, wanted, fixed, self.unit, width)
@@ -495,15 +495,6 @@ def _complete(spec, wanted: torch.Tensor, fixed, unit: int, width: int):
     index = index.gather(-1, order)
     keys, values = take_slots(keys, order), take_slots(values, order)
     return type(spec)(FetchRequest(spec.request.tier, spec.request.layer, index), keys, values, nbytes, spec.version)
-
-
-def _members(units: torch.Tensor, among: torch.Tensor, n_units: int) -> torch.Tensor:
-    """``[B, H, k]`` whether each of ``units`` (``[B, H, k]``, -1: none) is one of ``among`` (``[B, H, k2]``,
-    -1: none), every unit below ``n_units``: one mask over the units, not a ``k x k2`` comparison."""
-    mask = torch.zeros(*among.shape[:2], n_units + 1, dtype=torch.bool, device=among.device)
-    mask.scatter_(2, among.masked_fill(among < 0, n_units), True)
-    mask[..., n_units] = False
-    return mask.gather(2, units.masked_fill(units < 0, n_units))
 
 
 def retrieval_stats(cache) -> dict[str, float]:

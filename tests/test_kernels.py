@@ -505,3 +505,30 @@ def test_forcing_triton_without_cuda_or_interpreter_is_a_clear_error(monkeypatch
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with kernels.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         kernels.backend_for(torch.zeros(1))
+
+
+@pytest.mark.parametrize("order", ["ascending", "any"])
+def test_native_speculation_check_equals_the_torch_reference(order):
+    """Held units, recall and the query cosine of a speculative prefetch, from one C call, against
+    retrieval_ref: selections ascending (a merge) or in any order (every pair), -1 slots, no units at all."""
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    g = gen(41)
+    for k, k2 in ((8, 8), (5, 9), (0, 4), (30, 3)):
+        def rows(n):  # distinct units per (row, KV head), as a selection has them
+            return torch.stack([torch.randperm(40, generator=g)[:n] for _ in range(6)]).view(2, 3, n)
+
+        units, spec = rows(k), rows(k2)
+        if order == "ascending":
+            units, spec = units.sort(dim=-1).values, spec.sort(dim=-1).values
+        else:
+            units[..., :1] = -1
+            spec[0, 1, -1] = -1
+        qg, prev = torch.randn(2, 3, 4, 16, generator=g), torch.randn(2, 3, 4, 16, generator=g)
+        prev[1, 2] = qg[1, 2] * 3.0  # the same direction: cosine 1
+        got = cpu_native.speculation_check(qg, prev, units, spec)
+        expected = retrieval_ref.speculation_check(qg, prev, units, spec, 40)
+        assert torch.equal(got[0], expected[0]), (k, k2)
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+        torch.testing.assert_close(got[2], expected[2], rtol=1e-6, atol=1e-6)
+        assert got[2][1, 2] == pytest.approx(1.0, abs=1e-6)

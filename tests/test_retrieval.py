@@ -11,8 +11,9 @@ from compressors.freekv import FreeKV
 from compressors.specache import SpeCache
 from kvcomp import CompressedCache, CompressorError, generate
 from kvcomp.compressor import LayerContext
+from kvcomp.kernels.retrieval_ref import members
 from kvcomp.ops import AttentionSpec
-from kvcomp.retrieval import _members, retrieval_stats
+from kvcomp.retrieval import retrieval_stats
 from kvcomp.tiers import BLOCK, shared_worker
 from tests.helpers import CONTEXTS, QUESTIONS
 from tests.test_compression import reference_generate
@@ -169,8 +170,8 @@ def test_correction_replaces_stale_prefetch(tmp_path, make, overlap, correction)
 def test_members_marks_the_units_found_among_the_others_and_never_a_missing_one():
     units = torch.tensor([[[0, 3, 5, -1], [2, 2, 7, 1]]])
     among = torch.tensor([[[5, -1, 0], [1, 6, 7]]])
-    assert _members(units, among, 8).tolist() == [[[True, False, True, False], [False, False, True, True]]]
-    assert _members(among, units, 8).tolist() == [[[True, False, True], [True, False, True]]]
+    assert members(units, among, 8).tolist() == [[[True, False, True, False], [False, False, True, True]]]
+    assert members(among, units, 8).tolist() == [[[True, False, True], [True, False, True]]]
 
 
 @pytest.mark.parametrize("make", [FreeKV, SpeCache], ids=IDS)

@@ -123,6 +123,16 @@ def quant_key_scores(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return _impl("retrieval", "quant_key_scores", q)(q, *args, **kwargs)
 
 
+def speculation_check(qg: torch.Tensor, prev: torch.Tensor, units: torch.Tensor, spec: torch.Tensor,
+                      n_units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`kvcomp.kernels.retrieval_ref.speculation_check`; on the CPU, the C kernel of
+    :mod:`cpu_native` when it compiles (one call instead of about ten small torch operations)."""
+    from kvcomp.kernels import cpu_native, retrieval_ref
+
+    got = cpu_native.speculation_check(qg, prev, units, spec) if qg.device.type == "cpu" else None
+    return got if got is not None else retrieval_ref.speculation_check(qg, prev, units, spec, n_units)
+
+
 NATIVE_TOP_MIN = 4096  # scores per row from which the native select beats topk + sort on the CPU
 
 

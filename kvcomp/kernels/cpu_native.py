@@ -840,6 +840,49 @@ void page_scores_f32(const float* q, const float* hi, const float* lo, float* ou
     }
 }
 
+/* The check of a speculative prefetch (FreeKV, SpeCache), for each of BH KV heads: cos[bh], the mean over its G
+   query rows of the cosine between q and prev (D floats each, in double: x.y / (max(|x|, eps) max(|y|, eps)));
+   held[bh, i], whether units[bh, i] (< 0: never) is one of spec[bh, :k2] (< 0: none): a merge when both rows
+   ascend, else every pair; recall[bh], the share of the k units held (1 when k == 0). */
+void speculation_check_f32(const float* q, const float* prev, const int64_t* units, const int64_t* spec,
+                           int64_t BH, int64_t G, int64_t D, int64_t k, int64_t k2, float* cos, uint8_t* held,
+                           float* recall) {
+    for (int64_t bh = 0; bh < BH; bh++) {
+        double total = 0.0;
+        for (int64_t g = 0; g < G; g++) {
+            const float* x = q + (bh * G + g) * D;
+            const float* y = prev + (bh * G + g) * D;
+            double xy = 0.0, xx = 0.0, yy = 0.0;
+            for (int64_t d = 0; d < D; d++) {
+                xy += (double)x[d] * y[d];
+                xx += (double)x[d] * x[d];
+                yy += (double)y[d] * y[d];
+            }
+            total += xy / (fmax(sqrt(xx), 1e-8) * fmax(sqrt(yy), 1e-8));
+        }
+        cos[bh] = (float)(total / (double)G);
+        const int64_t* u = units + bh * k;
+        const int64_t* s = spec + bh * k2;
+        uint8_t* h = held + bh * k;
+        int ascending = 1;
+        for (int64_t i = 1; i < k && ascending; i++) ascending = u[i] > u[i - 1];
+        for (int64_t j = 1; j < k2 && ascending; j++) ascending = s[j] > s[j - 1];
+        int64_t hits = 0;
+        for (int64_t i = 0, j = 0; i < k; i++) {
+            h[i] = 0;
+            if (u[i] < 0) continue;
+            if (ascending) {
+                while (j < k2 && s[j] < u[i]) j++;
+                h[i] = j < k2 && s[j] == u[i];
+            } else {
+                for (int64_t m = 0; m < k2 && !h[i]; m++) h[i] = s[m] == u[i];
+            }
+            hits += h[i];
+        }
+        recall[bh] = k ? (float)hits / (float)k : 1.0f;
+    }
+}
+
 /* One token out of every (row b, KV head h) of an unpadded store of L slots, in place: the slot with the lowest
    score (scores at b * sb + h * sh, slot after slot; NaN ranks above every number, as top-k ranks it; ties:
    the lowest position, positions at b * pb + h * ph) takes the last slot's token in each of the n per-slot
@@ -1152,6 +1195,9 @@ def _compile() -> ctypes.CDLL | None:
     fn = lib.page_scores_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    fn = lib.speculation_check_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 3
     fn = lib.evict_lowest_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [
@@ -1357,6 +1403,26 @@ def page_scores(q: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor,
         load().page_scores_f32(q.data_ptr(), page_max.data_ptr(), page_min.data_ptr(), out.data_ptr(), b * h,
                                hq // h, pages, d, max(1, min(torch.get_num_threads(), out.numel() * (hq // h) * d >> 16)))
     return out
+
+
+def speculation_check(qg: torch.Tensor, prev: torch.Tensor, units: torch.Tensor, spec: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`kvcomp.kernels.retrieval_ref.speculation_check` in one call (float32 CPU queries, int64 units);
+    None when the kernel is off or unavailable or the inputs do not qualify."""
+    if not (enabled() and qg.device.type == "cpu" and qg.dtype == prev.dtype == torch.float32
+            and units.dtype == spec.dtype == torch.int64 and units.device.type == spec.device.type == "cpu"):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    b, h, g, d = qg.shape
+    k, k2 = units.shape[-1], spec.shape[-1]
+    qg, prev, units, spec = qg.contiguous(), prev.contiguous(), units.contiguous(), spec.contiguous()
+    held = torch.empty(b, h, k, dtype=torch.bool)
+    recall, cos = torch.empty(b, h), torch.empty(b, h)
+    lib.speculation_check_f32(qg.data_ptr(), prev.data_ptr(), units.data_ptr(), spec.data_ptr(), b * h, g, d, k, k2,
+                              cos.data_ptr(), held.data_ptr(), recall.data_ptr())
+    return held, recall, cos
 
 
 READ_SPAN = 1 << 18  # bytes of the file one read covers at most (the rows between wanted ones are read too)

@@ -5,6 +5,8 @@
   page.
 * :func:`quant_key_scores`: SpeCache-style approximate logits from a low-bit copy of the keys (KIVI layout
   of :func:`kvcomp.kernels.quant_ref.quantize_keys`).
+* :func:`speculation_check`: how well a speculative prefetch (the last step's selection) fits this step's: which
+  units it holds, and how far each KV head's query moved.
 
 Both aggregate over each KV head's query group (``reduce``: ``"max"``, ``"sum"`` or ``"mean"``), since keys
 are stored and fetched per KV head, and return float32 ``[B, H_kv, ...]``.
@@ -63,3 +65,26 @@ def quant_key_scores(
     qg = q.reshape(b, h, hq // h, d).float()
     logits = torch.matmul(qg, keys.transpose(-1, -2)) * scaling  # [B, H, G, L]
     return _group_reduce(logits, reduce)
+
+
+def members(units: torch.Tensor, among: torch.Tensor, n_units: int) -> torch.Tensor:
+    """``[B, H, k]`` whether each of ``units`` (``[B, H, k]``, -1: none) is one of ``among`` (``[B, H, k2]``,
+    -1: none), every unit below ``n_units``: one mask over the units, not a ``k x k2`` comparison."""
+    mask = torch.zeros(*among.shape[:2], n_units + 1, dtype=torch.bool, device=among.device)
+    mask.scatter_(2, among.masked_fill(among < 0, n_units), True)
+    mask[..., n_units] = False
+    return mask.gather(2, units.masked_fill(units < 0, n_units))
+
+
+def speculation_check(qg: torch.Tensor, prev: torch.Tensor, units: torch.Tensor, spec: torch.Tensor,
+                      n_units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A speculative prefetch ``spec`` against this step's selection ``units`` (``[B, H_kv, k2]`` and
+    ``[B, H_kv, k]``, -1: none, every unit below ``n_units``), and this step's grouped queries ``qg`` against
+    the last step's ``prev`` (``[B, H_kv, G, D]``): ``(held [B, H_kv, k] bool, recall [B, H_kv], cos
+    [B, H_kv])``: which of ``units`` the prefetch holds, their share (1 where ``k == 0``), and the cosine
+    similarity of the queries averaged over the group (float32)."""
+    held = members(units, spec, n_units)
+    b, h = units.shape[:2]
+    recall = held.float().mean(-1) if units.shape[-1] else torch.ones(b, h, device=units.device)
+    cos = torch.nn.functional.cosine_similarity(qg.float(), prev.float(), dim=-1).mean(-1)
+    return held, recall, cos
