@@ -133,16 +133,17 @@ def speculation_check(qg: torch.Tensor, prev: torch.Tensor, units: torch.Tensor,
     return got if got is not None else retrieval_ref.speculation_check(qg, prev, units, spec, n_units)
 
 
-NATIVE_TOP_MIN = 4096  # scores per row from which the native select beats topk + sort on the CPU
+NATIVE_TOP_MIN = 1024  # scores per row from which the native select beats topk + sort on the CPU
 
 
 def top_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices ``[..., k]`` of the ``k`` largest ``scores`` along the last dimension, in ascending order (so
     selected tokens keep their position order): on the CPU, for rows of at least ``NATIVE_TOP_MIN`` float32
     scores, the native radix select (ties at the k-th value take the lowest indices); otherwise an unsorted
-    ``topk`` then a sort of the ``k`` indices. Below ``NATIVE_TOP_MIN`` the native call's fixed cost (about 15 us)
-    loses to topk + sort (measured at 60 to 2048 scores per row, 1 and 2 threads); at 8192 in SpeCache's decode
-    step it takes 80 us per layer against 190."""
+    ``topk`` then a sort of the ``k`` indices. Timed inside decode steps (between a layer's matmuls, where torch's
+    small parallel operations pay for waking their threads): at 4,000 scores per row (SpeCache at 4K) the native
+    select took 35 us per layer against 87, at 64 (FreeKV's pages at 2K) 19 against 16; alone, in a loop, topk
+    + sort wins up to 4K (its fixed cost is lower)."""
     from kvcomp.kernels import cpu_native
 
     if scores.shape[-1] >= NATIVE_TOP_MIN and cpu_native.supports_top(scores):
