@@ -313,8 +313,9 @@ def test_dispatcher_sends_float32_cpu_quant_attention_to_the_native_kernel(monke
     # value scales over 32 channels, as the compressor's default group_size gives: the kernel's vector path
     # (16 columns per vector, each inside one scale's channels) for D = 64, 128 and 256
     (4, 3, 64, 6, 1, 32, 8), (8, 4, 128, 5, 2, 32, 8), (4, 4, 256, 6, 1, 32, 8), (4, 1, 64, 0, 2, 64, 8),
-    # groups of 16 and 32 tokens at 2 bits: the keys' sixteen-tokens-per-vector path
-    (2, 3, 64, 6, 1, 64, 16), (2, 3, 64, 6, 2, 32, 32), (2, 1, 128, 0, 1, None, 16),
+    # groups of 16 and 32 tokens: the keys' sixteen-tokens-per-vector path at 2, 4 and 8 bits (rows 3, 6, 1, 4, 10)
+    (2, 3, 64, 6, 1, 64, 16), (2, 3, 64, 6, 2, 32, 32), (2, 1, 128, 0, 1, None, 16), (8, 4, 64, 5, 1, 64, 16),
+    (4, 5, 128, 6, 2, 32, 32),
     # whole vectors per value scale (the values' register path) at D = 64: one scale per token at 2, 4 and 8 bits
     # with rows 1, 3, 4 and 5 (4 + 1); two (4 and 8 bits) and four (8 bits) scales per token
     (2, 1, 64, 6, 1, 64, 8), (4, 3, 64, 6, 1, 64, 16), (8, 2, 64, 3, 2, 64, 8), (2, 5, 64, 0, 1, 64, 8),

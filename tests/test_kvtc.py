@@ -749,12 +749,12 @@ def test_post_rope_keys_are_never_rotated(tiny, artifacts, monkeypatch):
         assert float((logits - full).abs().max() / full.abs().max()) < 0.08
 
 
-@pytest.mark.parametrize("head_dim,rotary", [(64, 64), (64, 32), (48, 48), (64, 0), (48, 0)])
+@pytest.mark.parametrize("head_dim,rotary", [(64, 64), (64, 32), (48, 48), (64, 0), (48, 0), (40, 0), (40, 40)])
 def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary):
     """The C kernel on random live codes (the 4-token key path at head_dim 64, the general one otherwise; a
     partial rotary embedding; keys coded after RoPE, ``rotary`` 0: no cos/sin, the queries projected on the
-    key basis; holes; a length that is not a multiple of 4) against the keys and values rebuilt in torch and
-    dense attention over them."""
+    key basis; holes; a length that is not a multiple of 4; head_dim 40: components padded to whole vectors of 16)
+    against the keys and values rebuilt in torch and dense attention over them."""
     from kvcomp.kernels import cpu_native
 
     if not cpu_native.supports_kvtc(torch.zeros(1)):

@@ -40,6 +40,9 @@ from kvcomp.files import cache_dir
 
 SOURCE = r"""
 #include <errno.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -53,6 +56,22 @@ typedef float v16f_u __attribute__((vector_size(64), aligned(4)));  /* for point
 
 static inline v16f load16(const float* p) { v16f v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof v); }
+
+/* 16 bytes from p, zero-extended to 16 int32 lanes: one instruction with AVX-512 (gcc 12 lowers
+   __builtin_convertvector of a byte vector to a byte-at-a-time sequence). */
+static inline v16i widen(v16b x) {
+#if defined(__AVX512F__)
+    return (v16i)_mm512_cvtepu8_epi32((__m128i)x);
+#else
+    return __builtin_convertvector(x, v16i);
+#endif
+}
+
+static inline v16i widen16(const uint8_t* p) {
+    v16b raw;
+    memcpy(&raw, p, 16);
+    return widen(raw);
+}
 
 static inline float hsum16(v16f v) {
     typedef float v8 __attribute__((vector_size(32)));
@@ -90,9 +109,7 @@ static inline void unpack16(const uint8_t* restrict src, int64_t W, int bits, v1
     const int per_byte = 8 / bits, mask = (1 << bits) - 1;
     const int64_t chunks = W / 16;
     for (int64_t j = 0; j < chunks; j++) {
-        v16b raw;
-        memcpy(&raw, src + 16 * j, 16);
-        const v16i x = __builtin_convertvector(raw, v16i);
+        const v16i x = widen16(src + 16 * j);
         for (int p = 0; p < per_byte; p++) codes[p * chunks + j] = __builtin_convertvector((x >> (p * bits)) & mask, v16f);
     }
 }
@@ -149,9 +166,7 @@ static inline __attribute__((always_inline)) void values_rows(float* restrict ac
             v16f x[4];
             for (int u = 0; u < 4; u++) {  /* vector 4 block + u: bytes 16 j.., code plane q */
                 const int j = (4 * block + u) % chunks, q = (4 * block + u) / chunks;
-                v16b raw;
-                memcpy(&raw, vc + i * W + 16 * j, 16);
-                x[u] = __builtin_convertvector((__builtin_convertvector(raw, v16i) >> (q * bits)) & mask, v16f);
+                x[u] = __builtin_convertvector((widen16(vc + i * W + 16 * j) >> (q * bits)) & mask, v16f);
             }
             for (int r = 0; r < rows; r++)
                 for (int u = 0; u < 4; u++)
@@ -230,7 +245,7 @@ static inline void tile_logits16(const uint8_t* restrict kc, int64_t W, int bits
         for (int l = 0; l < 16; l++) memcpy(&r[l], kc + l * W + j0, 16);
         transpose16(r, t);
         for (int j = 0; j < 16; j++) {
-            const v16i x = __builtin_convertvector(t[j], v16i);
+            const v16i x = widen(t[j]);
             for (int p = 0; p < per_byte; p++) {
                 const v16f code = __builtin_convertvector((x >> (p * bits)) & mask, v16f);
                 const int64_t col = p * W + j0 + j;
@@ -254,9 +269,10 @@ static void group_logits(const float* restrict qb, const float* restrict s, cons
         for (int64_t c = 0; c < D; c++) scaled_q[m * D + c] = qb[m * D + channel[c]] * s[channel[c]];
         bias[m] = dot(qb + m * D, z, D);
     }
-    /* Sixteen tokens per vector (tile_logits16) at 1 and 2 bits: 2.5-3x faster there on SmolLM2's shapes (D = 64,
-       groups of 64, 2 threads), no faster at 4 bits. codes: a zero row for the unused query rows. */
-    if (bits <= 2 && W % 16 == 0 && G % 16 == 0) {
+    /* Sixteen tokens per vector (tile_logits16), at every width: on SmolLM2's shapes (D = 64, groups of 64, 2
+       threads) the whole kernel at 8K takes 213 against 443 us at 4 bits and 251 against 296 at 8 bits, once the
+       bytes widen in one instruction (widen). codes: a zero row for the unused query rows. */
+    if (W % 16 == 0 && G % 16 == 0) {
         memset(codes, 0, sizeof(float) * D);
         for (int64_t i = 0; i < G; i += 16)
             for (int64_t m = 0; m < M; m += 4) {
@@ -565,25 +581,55 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
 
 /* KVTC's live codes of one token, one KV head and one kind, as floats in coding order: cnt[0], cnt[1], cnt[2]
    components stored at 2, 4 and 8 bits, 5, 2 and 1 to a byte (lut3 [256 * 5], lut15 [256 * 2]: a byte's
-   digits). Returns the number of components. */
+   digits as floats). Returns the number of components. */
 static inline int64_t unpack_live(const uint8_t* restrict p, const int64_t* restrict cnt,
-                                  const uint8_t* restrict lut3, const uint8_t* restrict lut15, float* restrict o) {
+                                  const float* restrict lut3, const float* restrict lut15, float* restrict o) {
     const int64_t n3 = cnt[0], n15 = cnt[1], n8 = cnt[2];
     int64_t j = 0;
-    for (; j + 5 <= n3; j += 5, p++) {
-        const uint8_t* d = lut3 + 5 * *p;
-        o[j] = d[0]; o[j + 1] = d[1]; o[j + 2] = d[2]; o[j + 3] = d[3]; o[j + 4] = d[4];
-    }
-    if (j < n3) {
-        const uint8_t* d = lut3 + 5 * *p++;
-        for (int64_t i = 0; j + i < n3; i++) o[j + i] = d[i];
-    }
+    for (; j + 5 <= n3; j += 5, p++) memcpy(o + j, lut3 + 5 * *p, 5 * sizeof(float));
+    if (j < n3) memcpy(o + j, lut3 + 5 * *p++, sizeof(float) * (n3 - j));
     o += n3;
-    for (j = 0; j + 2 <= n15; j += 2, p++) { o[j] = lut15[2 * *p]; o[j + 1] = lut15[2 * *p + 1]; }
+    for (j = 0; j + 2 <= n15; j += 2, p++) memcpy(o + j, lut15 + 2 * *p, 2 * sizeof(float));
     if (j < n15) o[j] = lut15[2 * *p++];
     o += n15;
-    for (j = 0; j < n8; j++) o[j] = p[j];
+    for (j = 0; j + 16 <= n8; j += 16) store16(o + j, __builtin_convertvector(widen16(p + j), v16f));
+    for (; j < n8; j++) o[j] = p[j];
     return n3 + n15 + n8;
+}
+
+/* acc[m * QS + s] += sum_j p[m][j] * tile[j * SP + s] for s < SP and acc[m * QS + SP] += sum_j p[m][j], over the
+   tile's G rows (p[m][j] = lg[m * T + idx[j]]): the SP / 16 accumulators of a row stay in registers. SP is a
+   constant of each inlined copy. */
+static inline __attribute__((always_inline)) void values_tile(float* restrict acc, int64_t QS,
+                                                              const float* restrict lg, int64_t T, int64_t M,
+                                                              const int64_t* restrict idx, int64_t G,
+                                                              const float* restrict tile, const int SP) {
+    for (int64_t m = 0; m < M; m++) {
+        float* a = acc + m * QS;
+        v16f r[SP / 16];
+        float mass = 0.0f;
+        for (int k = 0; k < SP / 16; k++) r[k] = load16(a + 16 * k);
+        for (int64_t j = 0; j < G; j++) {
+            const float pj = lg[m * T + idx[j]];
+            mass += pj;
+            for (int k = 0; k < SP / 16; k++) r[k] += pj * load16(tile + j * SP + 16 * k);
+        }
+        for (int k = 0; k < SP / 16; k++) store16(a + 16 * k, r[k]);
+        a[SP] += mass;
+    }
+}
+
+/* values_tile for any SP (a multiple of 16), the accumulators in memory. */
+static void values_tile_any(float* restrict acc, int64_t QS, const float* restrict lg, int64_t T, int64_t M,
+                            const int64_t* restrict idx, int64_t G, const float* restrict tile, int64_t SP) {
+    for (int64_t m = 0; m < M; m++) {
+        float* a = acc + m * QS;
+        for (int64_t j = 0; j < G; j++) {
+            const float pj = lg[m * T + idx[j]];
+            for (int64_t s = 0; s < SP; s += 16) store16(a + s, load16(a + s) + pj * load16(tile + j * SP + s));
+            a[SP] += pj;
+        }
+    }
 }
 
 /* kr = RoPE of k (D channels, the first RD rotated: rotate-half with this position's cos, sin [RD]). */
@@ -633,21 +679,23 @@ static void keys4_d64(const float* restrict c, int64_t S, int64_t ns, const floa
    vc [BH, L, Wv] packed codes; pos [BH, L] (>= P: a hole); cnt [H, 2, 3] components per width of each KV head's
    keys and values; wk, wv [H, S, D] and ok, ov [H, D]: a key is RoPE(codes @ wk + ok), a value codes @ wv + ov;
    cos_t, sin_t [P, RD] by position (RD rotary channels); rk, rv [BH, R, D], rpos [BH, R]: full-precision sinks and
-   window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, 4 * S + 5 * D]; partial [BH * chunks, M, S + 1].
+   window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, 16 * Sp + 5 * D]; partial [BH * chunks, M, Sp + 1] (Sp: S rounded up
+   to a multiple of 16).
    Keys: each coded token's key is rebuilt once (unpack, S x D multiply-adds, rotation) and shared by the group's
-   M rows; or, given qk [BH * chunks, M, S + 1] (keys coded after RoPE), each chunk first projects its queries,
-   qk[m, s] = wk[s] . q[m] and qk[m, S] = ok . q[m], and a logit is qk[m, S] + codes . qk[m] (S multiply-adds,
+   M rows; or, given qk [BH * chunks, M, Sp + 1] (keys coded after RoPE), each chunk first projects its queries,
+   qk[m, s] = wk[s] . q[m] and qk[m, Sp] = ok . q[m], and a logit is qk[m, S] + codes . qk[m] (S multiply-adds,
    nothing rebuilt or rotated). Values: the probabilities are applied to the codes and projected once per row at
    the end. */
 void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const uint8_t* vc,
                         const int32_t* pos, const int64_t* cnt, const float* wk, const float* ok, const float* wv,
-                        const float* ov, const float* cos_t, const float* sin_t, const uint8_t* lut3,
-                        const uint8_t* lut15, const float* rk, const float* rv, const int32_t* rpos, float* out,
+                        const float* ov, const float* cos_t, const float* sin_t, const float* lut3,
+                        const float* lut15, const float* rk, const float* rv, const int32_t* rpos, float* out,
                         float* logits, float* work, float* partial, int64_t B, int64_t H, int64_t M, int64_t n,
                         int64_t L, int64_t R, int64_t D, int64_t S, int64_t RD, int64_t P, int64_t Wk, int64_t Wv,
                         int64_t chunks, float scaling, int threads, int64_t window, float softcap,
                         const float* sinks, float* qk) {
     const int64_t BH = B * H, T = L + R, per_chunk = (L + chunks - 1) / chunks;
+    const int64_t Sp = (S + 15) / 16 * 16, QS = Sp + 1, WS = 16 * Sp + 5 * D;  /* padded components, strides */
     int64_t first[BH > 0 ? BH : 1];
     #pragma omp parallel num_threads(threads)
     {
@@ -657,7 +705,7 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
             for (int64_t chunk = 0; chunk < chunks; chunk++) {
                 const int64_t h = bh % H, *qp = qpos + (bh / H) * n;
                 const float *w = wk + h * S * D, *o = ok + h * D;
-                float *c = work + (bh * chunks + chunk) * (4 * S + 5 * D), *k = c + 4 * S, *kr = k + 4 * D;
+                float *c = work + (bh * chunks + chunk) * WS, *k = c + 16 * Sp, *kr = k + 4 * D;
                 float* lg = logits + bh * M * T;
                 int64_t hi[M > 0 ? M : 1], lo[M > 0 ? M : 1], batch[4], nb = 0;
                 for (int64_t m = 0; m < M; m++) {
@@ -666,14 +714,34 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                     lo[m] = blind || window <= 0 ? INT64_MIN : qp[m % n] - window + 1;
                 }
                 const int64_t t_end = (chunk + 1) * per_chunk < L ? (chunk + 1) * per_chunk : L;
-                float* qr = qk ? qk + (bh * chunks + chunk) * M * (S + 1) : NULL;
-                if (qr) {
+                float* qr = qk ? qk + (bh * chunks + chunk) * M * QS : NULL;
+                if (qr) {  /* zero past the head's components, so that the dots run over Sp (codes zero there too) */
                     const int64_t nk = cnt[h * 6] + cnt[h * 6 + 1] + cnt[h * 6 + 2];
                     for (int64_t m = 0; m < M; m++) {
                         const float* qm = q + (bh * M + m) * D;
-                        for (int64_t s = 0; s < nk; s++) qr[m * (S + 1) + s] = dot(w + s * D, qm, D);
-                        qr[m * (S + 1) + S] = dot(o, qm, D);
+                        for (int64_t s = 0; s < Sp; s++) qr[m * QS + s] = s < nk ? dot(w + s * D, qm, D) : 0.0f;
+                        qr[m * QS + Sp] = dot(o, qm, D);
                     }
+                }
+                if (qr) {  /* keys coded after RoPE: 16 tokens unpacked at a time, then each row's dots with them */
+                    memset(c, 0, sizeof(float) * 16 * Sp);  /* past the head's components: zero */
+                    for (int64_t t0 = chunk * per_chunk; t0 < t_end; t0 += 16) {
+                        const int64_t G = t_end - t0 < 16 ? t_end - t0 : 16;
+                        const int32_t* tp = pos + bh * L + t0;
+                        for (int64_t i = 0; i < G; i++)
+                            unpack_live(kc + (bh * L + t0 + i) * Wk, cnt + h * 6, lut3, lut15, c + i * Sp);
+                        for (int64_t m = 0; m < M; m++) {
+                            const float* qm = qr + m * QS;
+                            float* row = lg + m * T + t0;
+                            for (int64_t i = 0; i < G; i++) {
+                                const float* ci = c + i * Sp;
+                                v16f a = load16(ci) * load16(qm);
+                                for (int64_t s = 16; s < Sp; s += 16) a += load16(ci + s) * load16(qm + s);
+                                row[i] = VISIBLE(tp[i], hi[m], lo[m]) ? (qm[Sp] + hsum16(a)) * scaling : -INFINITY;
+                            }
+                        }
+                    }
+                    continue;
                 }
                 int64_t ns = 0;
                 for (int64_t t = chunk * per_chunk; t <= t_end; t++) {
@@ -686,12 +754,6 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                             continue;
                         }
                         ns = unpack_live(kc + (bh * L + t) * Wk, cnt + h * 6, lut3, lut15, c + nb * S);
-                        if (qr) {  /* keys coded after RoPE: the projected queries' dot with the codes */
-                            for (int64_t m = 0; m < M; m++)
-                                lg[m * T + t] = VISIBLE(kp, hi[m], lo[m])
-                                    ? (qr[m * (S + 1) + S] + dot(c, qr + m * (S + 1), ns)) * scaling : -INFINITY;
-                            continue;
-                        }
                         batch[nb++] = t;
                         if (nb < 4) continue;
                     }
@@ -723,20 +785,26 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
             for (int64_t chunk = 0; chunk < chunks; chunk++) {
                 const int64_t h = bh % H;
                 const float* lg = logits + bh * M * T;
-                float* acc = partial + (bh * chunks + chunk) * M * (S + 1);
-                float* c = work + (bh * chunks + chunk) * (4 * S + 5 * D);
-                memset(acc, 0, sizeof(float) * M * (S + 1));
+                float* acc = partial + (bh * chunks + chunk) * M * QS;
+                float* c = work + (bh * chunks + chunk) * WS;
+                memset(acc, 0, sizeof(float) * M * QS);
+                memset(c, 0, sizeof(float) * 16 * Sp);  /* past the head's components: zero */
                 const int64_t t_end = (chunk + 1) * per_chunk < L ? (chunk + 1) * per_chunk : L;
-                for (int64_t t = chunk * per_chunk; t < t_end; t++) {
-                    int any = 0;
-                    for (int64_t m = 0; m < M; m++) any |= lg[m * T + t] != 0.0f;
-                    if (!any) continue;
-                    const int64_t ns = unpack_live(vc + (bh * L + t) * Wv, cnt + h * 6 + 3, lut3, lut15, c);
-                    for (int64_t m = 0; m < M; m++) {
-                        const float p = lg[m * T + t];
-                        axpy(acc + m * (S + 1), p, c, ns);  /* restrict: vectorised */
-                        acc[m * (S + 1) + S] += p;
+                for (int64_t t0 = chunk * per_chunk; t0 < t_end; t0 += 16) {
+                    /* The tile's tokens that some row attends, unpacked; then every row's sums over them. */
+                    const int64_t end = t_end - t0 < 16 ? t_end : t0 + 16;
+                    int64_t idx[16], G = 0;
+                    for (int64_t t = t0; t < end; t++) {
+                        int any = 0;
+                        for (int64_t m = 0; m < M; m++) any |= lg[m * T + t] != 0.0f;
+                        if (!any) continue;
+                        unpack_live(vc + (bh * L + t) * Wv, cnt + h * 6 + 3, lut3, lut15, c + G * Sp);
+                        idx[G++] = t;
                     }
+                    if (Sp == 64) values_tile(acc, QS, lg, T, M, idx, G, c, 64);
+                    else if (Sp == 128) values_tile(acc, QS, lg, T, M, idx, G, c, 128);
+                    else if (Sp == 256) values_tile(acc, QS, lg, T, M, idx, G, c, 256);
+                    else values_tile_any(acc, QS, lg, T, M, idx, G, c, Sp);
                 }
             }
         }
@@ -745,15 +813,15 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
         for (int64_t bh = 0; bh < BH; bh++) {
             const int64_t h = bh % H;
             const float *w = wv + h * S * D, *o = ov + h * D, *lg = logits + bh * M * T;
-            float* sum = work + bh * chunks * (4 * S + 5 * D);  /* the chunks' keys pass is over: reuse */
+            float* sum = work + bh * chunks * WS;  /* the chunks' keys pass is over: reuse */
             for (int64_t m = 0; m < M; m++) {
-                memset(sum, 0, sizeof(float) * (S + 1));
+                memset(sum, 0, sizeof(float) * QS);
                 for (int64_t chunk = 0; chunk < chunks; chunk++) {
-                    const float* a = partial + ((bh * chunks + chunk) * M + m) * (S + 1);
-                    for (int64_t s = 0; s <= S; s++) sum[s] += a[s];
+                    const float* a = partial + ((bh * chunks + chunk) * M + m) * QS;
+                    for (int64_t s = 0; s < QS; s++) sum[s] += a[s];
                 }
                 float* ob = out + (bh * M + m) * D;
-                scale(ob, sum[S], o, D);
+                scale(ob, sum[Sp], o, D);
                 for (int64_t s = 0; s < S; s++) if (sum[s] != 0.0f) axpy(ob, sum[s], w + s * D, D);
                 for (int64_t t = 0; t < R; t++) {
                     const float p = lg[m * T + L + t];
@@ -1322,10 +1390,10 @@ _LIVE_DIGITS: dict[int, torch.Tensor] = {}
 
 
 def _digits(base: int, k: int) -> torch.Tensor:
-    """``[256 * k]`` uint8: the ``k`` base-``base`` digits of every byte, lowest first (KVTC's live packing)."""
+    """``[256 * k]`` float32: the ``k`` base-``base`` digits of every byte, lowest first (KVTC's live packing)."""
     if base not in _LIVE_DIGITS:
         byte = torch.arange(256)
-        _LIVE_DIGITS[base] = torch.stack([(byte // base**i) % base for i in range(k)], 1).to(torch.uint8).reshape(-1)
+        _LIVE_DIGITS[base] = torch.stack([(byte // base**i) % base for i in range(k)], 1).to(torch.float32).reshape(-1)
     return _LIVE_DIGITS[base]
 
 
@@ -1363,9 +1431,9 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
         raise ValueError(f"key and value weights must share S; got {s} and {value_weight.shape[1]}.")
     threads = max(1, torch.get_num_threads())
     chunks = max(1, min(-(-length // 64), -(-2 * threads // (b * h)))) if threads > 1 and length else 1
-    qk = None
+    qk, padded = None, -(-s // 16) * 16  # the kernel runs over components in whole vectors of 16
     if cos is None:  # post-RoPE keys: each chunk projects its query rows on the key components (scratch here)
-        qk = torch.empty(b * h * chunks, rows, s + 1, dtype=torch.float32)
+        qk = torch.empty(b * h * chunks, rows, padded + 1, dtype=torch.float32)
         cos = sin = key_offset.new_zeros(1, 0)
     tensors = [q.reshape(b, h, rows, d).contiguous(), q_pos.to(torch.int64).contiguous(), key_codes.contiguous(),
                value_codes.contiguous(), positions.to(torch.int32).contiguous(), counts.to(torch.int64).contiguous(),
@@ -1375,8 +1443,8 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
     sinks = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
     logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
-    work = torch.empty(b * h * chunks, 4 * s + 5 * d, dtype=torch.float32)
-    partial = torch.empty(b * h * chunks, rows, s + 1, dtype=torch.float32)
+    work = torch.empty(b * h * chunks, 16 * padded + 5 * d, dtype=torch.float32)
+    partial = torch.empty(b * h * chunks, rows, padded + 1, dtype=torch.float32)
     lib.kvtc_attention_f32(
         *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
         b, h, rows, n, length, r, d, s, cos.shape[-1], cos.shape[0], key_codes.shape[-1], value_codes.shape[-1],
