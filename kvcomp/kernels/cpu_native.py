@@ -650,29 +650,25 @@ static inline void rotate_key(float* restrict kr, const float* restrict k, const
     for (int64_t i = RD; i < D; i++) kr[i] = k[i];
 }
 
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f load8(const float* p) { v8f v; memcpy(&v, p, sizeof v); return v; }
-
-/* Four keys at once for D = 64: k[j] = o + sum_s c[j * S + s] * w[s] (w [ns, 64]), 16 channels at a time so that
-   the 8 accumulators stay in registers and every weight load serves the four tokens. */
+/* Four keys at once for D = 64: k[j] = o + sum_s c[j * S + s] * w[s] (w [ns, 64]), the sixteen accumulators
+   (4 tokens x 64 channels) in registers so that every weight load serves the four tokens. */
 static void keys4_d64(const float* restrict c, int64_t S, int64_t ns, const float* restrict w,
                       const float* restrict o, float* restrict k) {
-    for (int quarter = 0; quarter < 4; quarter++) {
-        const int off = 16 * quarter;
-        const v8f o0 = load8(o + off), o1 = load8(o + off + 8);
-        v8f a00 = o0, a01 = o1, a10 = o0, a11 = o1, a20 = o0, a21 = o1, a30 = o0, a31 = o1;
-        for (int64_t s = 0; s < ns; s++) {
-            const v8f w0 = load8(w + s * 64 + off), w1 = load8(w + s * 64 + off + 8);
-            const float x0 = c[s], x1 = c[S + s], x2 = c[2 * S + s], x3 = c[3 * S + s];
-            a00 += x0 * w0; a01 += x0 * w1; a10 += x1 * w0; a11 += x1 * w1;
-            a20 += x2 * w0; a21 += x2 * w1; a30 += x3 * w0; a31 += x3 * w1;
-        }
-        memcpy(k + off, &a00, 32); memcpy(k + off + 8, &a01, 32);
-        memcpy(k + 64 + off, &a10, 32); memcpy(k + 64 + off + 8, &a11, 32);
-        memcpy(k + 128 + off, &a20, 32); memcpy(k + 128 + off + 8, &a21, 32);
-        memcpy(k + 192 + off, &a30, 32); memcpy(k + 192 + off + 8, &a31, 32);
+    v16f a[4][4];
+    for (int u = 0; u < 4; u++) {
+        const v16f ou = load16(o + 16 * u);
+        for (int j = 0; j < 4; j++) a[j][u] = ou;
     }
+    for (int64_t s = 0; s < ns; s++) {
+        v16f ws[4];
+        for (int u = 0; u < 4; u++) ws[u] = load16(w + s * 64 + 16 * u);
+        for (int j = 0; j < 4; j++) {
+            const float x = c[j * S + s];
+            for (int u = 0; u < 4; u++) a[j][u] += x * ws[u];
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int u = 0; u < 4; u++) store16(k + 64 * j + 16 * u, a[j][u]);
 }
 
 /* KVTC decode attention over live codes. q [BH, M, D] (row m: query m % n); qpos [B, n]; kc [BH, L, Wk],
