@@ -11,9 +11,17 @@ greedily (the compressors' steps interleaved, so load changes on a shared machin
 * resident KV bytes at the end on the fast tier (device or RAM; a retrieval method's offloaded full KV is
   ``kv_slow_tier_bytes``), and the memory factor against ``none`` in the same run;
 * the decode roofline: a step must read the weights and the resident KV, so it cannot take less than
-  ``(weight bytes + KV bytes) / copy bandwidth``, the bandwidth measured with a large tensor copy on the
-  same device (bytes copied per second: each byte read once and written once). ``roofline_fraction`` is
-  that bound divided by the measured step time (1.0 = at the memory limit).
+  ``(weight bytes + KV bytes) / read bandwidth``, the rate at which a sum over a large tensor reads it on the
+  same device with the run's threads (a decode step is such a read stream). ``roofline_fraction`` is that
+  bound divided by the measured step time (1.0 = at the memory limit). The copy bandwidth is recorded beside
+  it; on the 2-core machine this project runs on it is bimodal between processes (about 22 or 41 GB/s, the
+  read rate 46-54 GB/s), which is why it is no longer the denominator.
+
+``--native-linear`` (``BenchConfig.native_linear``) runs every row, both baselines included, with
+:func:`kvcomp.steps.native_linears`: a one-token step's linear layers stream their weights through
+:func:`kvcomp.kernels.cpu_native.linear` instead of torch's matrix product, the larger part of a step of this
+small model on the CPU (SmolLM2-135M, 2 threads: 33.6 against 12.7 ms for its 211 layers). Every row gets the
+same model code, so the ratios still measure the caches; the step times fall for all.
 
 Two uncompressed baselines, so that a speed-up is never just a faster uncompressed path: ``none`` is
 transformers' own cache (``DynamicCache(config=model.config)``) on sdpa attention, and ``none-kvcomp`` is the
@@ -67,6 +75,8 @@ class BenchConfig:
     seed: int = 0
     # A second pass, after the timed one, that measures peak memory (fixed malloc threshold: run_bench).
     memory: bool = True
+    # Every row's one-token linear layers through the native kernel (kvcomp.steps.native_linears).
+    native_linear: bool = False
     out: str = "runs/bench"
 
 
@@ -131,6 +141,21 @@ def copy_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) 
         _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return n * 4 / best
+
+
+def read_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second a sum over a large tensor reads on ``device`` (best of ``repeats``): the rate a decode
+    step's read streams (weights, KV) can reach."""
+    n = megabytes * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        src.sum()
         _sync(device)
         best = min(best, time.perf_counter() - t0)
     return n * 4 / best
@@ -319,10 +344,42 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     own_model = model is None
     if own_model:
         model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
-    bandwidth = copy_bandwidth(config.device)
+    copy, bandwidth = copy_bandwidth(config.device), read_bandwidth(config.device)
     weights = weight_bytes(model)
-    log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; weights {weights / 2**20:.0f} MiB; "
-        f"{torch.get_num_threads()} threads")
+    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (copy {copy / 1e9:.1f}); weights {weights / 2**20:.0f} MiB; "
+        f"{torch.get_num_threads()} threads" + ("; native linear layers" if config.native_linear else ""))
+    with steps.native_linears(model) if config.native_linear else contextlib.nullcontext():
+        rows = _timed_pass(model, config, built, weights, bandwidth, log)
+    malloc_fixed = False
+    if config.memory:
+        by_key = {(r["context"], r["compressor"]): r for r in rows}
+        if own_model:  # a fresh process, its threshold fixed from its start: no heap history from the timed pass
+            peaks, malloc_fixed = memory_in_fresh_process(config, specs), "fresh process"
+        else:  # a model object given (tests): this process, its threshold fixed from now on
+            malloc_fixed = fixed_malloc_threshold()
+            peaks = memory_pass(model, config, built, log)
+        for key, value in peaks.items():
+            context, label = key.split("|", 1)
+            by_key[int(context), label].update(value)
+    meta = {
+        "config": dataclasses.asdict(config),
+        "read_bandwidth_bytes_s": bandwidth,
+        "copy_bandwidth_bytes_s": copy,
+        "weight_bytes": weights,
+        "threads": torch.get_num_threads(),
+        "malloc_mmap_threshold_fixed": malloc_fixed,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "native_quant_kernel": _native_status(config.device),
+    }
+    write_outputs(rows, meta, Path(config.out))
+    return rows
+
+
+def _timed_pass(model, config: BenchConfig, built: list, weights: int, bandwidth: float, log) -> list[dict]:
+    """Every context: prefill each compressor, decode their steps interleaved, one row each (run_bench)."""
     warm_up(model, config, built)
     rows = []
     for context in config.contexts:
@@ -356,30 +413,6 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
                 f"KV {row['kv_bytes'] / 2**20:7.1f} MiB  roofline {row['roofline_fraction']:.2f}")
         del runs
         gc.collect()
-    malloc_fixed = False
-    if config.memory:
-        by_key = {(r["context"], r["compressor"]): r for r in rows}
-        if own_model:  # a fresh process, its threshold fixed from its start: no heap history from the timed pass
-            peaks, malloc_fixed = memory_in_fresh_process(config, specs), "fresh process"
-        else:  # a model object given (tests): this process, its threshold fixed from now on
-            malloc_fixed = fixed_malloc_threshold()
-            peaks = memory_pass(model, config, built, log)
-        for key, value in peaks.items():
-            context, label = key.split("|", 1)
-            by_key[int(context), label].update(value)
-    meta = {
-        "config": dataclasses.asdict(config),
-        "copy_bandwidth_bytes_s": bandwidth,
-        "weight_bytes": weights,
-        "threads": torch.get_num_threads(),
-        "malloc_mmap_threshold_fixed": malloc_fixed,
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "native_quant_kernel": _native_status(config.device),
-    }
-    write_outputs(rows, meta, Path(config.out))
     return rows
 
 
@@ -470,7 +503,7 @@ def plot(rows: list[dict], path: Path, meta: dict | None = None) -> Path:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     if meta:
-        fig.suptitle(f"copy bandwidth {meta['copy_bandwidth_bytes_s'] / 1e9:.1f} GB/s, {meta['threads']} threads, "
+        fig.suptitle(f"read bandwidth {meta.get('read_bandwidth_bytes_s', 0) / 1e9:.1f} GB/s, {meta['threads']} threads, "
                      f"dtype {meta['config']['dtype']}", fontsize=9)
     fig.tight_layout()
     with files.open_output(path, "wb") as f:

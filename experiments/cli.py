@@ -326,7 +326,7 @@ def _bench(args) -> int:
     config = BenchConfig(contexts=args.contexts, compressors=args.compressors, compression_ratio=args.ratio,
                          quant_bits=args.bits, decode_steps=args.decode_steps, model=args.model, dtype=args.dtype,
                          device=args.device, threads=args.threads, seed=args.seed, out=args.out,
-                         memory=args.memory)
+                         memory=args.memory, native_linear=args.native_linear)
     rows = run_bench(config)
     print_table(rows, f"kvcomp bench ({args.model or 'embedded SmolLM2-135M-Instruct'}, {args.dtype}, "
                       f"{args.decode_steps} decode steps)")
@@ -496,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--no-memory", dest="memory", action="store_false",
                    help="skip the memory pass (peak RSS, prefill and decode-step rises) after the timed one")
+    p.add_argument("--native-linear", action="store_true",
+                   help="every row (both baselines too) runs one-token linear layers through kvcomp's native "
+                        "CPU kernel (kvcomp.steps.native_linears)")
     p.set_defaults(func=_bench)
     return parser
 

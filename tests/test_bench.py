@@ -4,8 +4,16 @@ import csv
 import json
 
 import pytest
+import torch
 
-from experiments.bench import BenchConfig, build_compressor, copy_bandwidth, parse_spec, run_bench
+from experiments.bench import (
+    BenchConfig,
+    build_compressor,
+    copy_bandwidth,
+    parse_spec,
+    read_bandwidth,
+    run_bench,
+)
 from experiments.cli import main
 
 
@@ -27,8 +35,9 @@ def test_defaults_fill_ratio_and_bits():
     assert build_compressor("none", config) == ("none", None)
 
 
-def test_copy_bandwidth_is_plausible():
+def test_copy_and_read_bandwidth_are_plausible():
     assert 1e8 < copy_bandwidth("cpu", megabytes=16, repeats=2) < 1e13
+    assert 1e8 < read_bandwidth("cpu", megabytes=16, repeats=2) < 1e13
 
 
 def test_bench_on_tiny_model_writes_table_csv_and_plot(tiny, tmp_path):
@@ -57,7 +66,8 @@ def test_bench_on_tiny_model_writes_table_csv_and_plot(tiny, tmp_path):
     with open(tmp_path / "bench.csv") as f:
         assert len(list(csv.DictReader(f))) == 8
     meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
-    assert meta["copy_bandwidth_bytes_s"] > 0 and meta["weight_bytes"] > 0
+    assert meta["copy_bandwidth_bytes_s"] > 0 and meta["read_bandwidth_bytes_s"] > 0 and meta["weight_bytes"] > 0
+    assert rows[0]["roofline_ms"] == pytest.approx(1000 * rows[0]["step_bytes"] / meta["read_bandwidth_bytes_s"])
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     model.set_attn_implementation("kvcomp")  # the session fixture is shared
 
@@ -121,3 +131,24 @@ def test_the_memory_pass_of_a_model_loaded_by_name_runs_in_a_fresh_process(tmp_p
     for row in rows:
         assert row["peak_rss_mb"] > 0 and row["peak_rise_mb"] >= 0 and row["decode_peak_rise_mb"] >= 0
     assert json.loads((tmp_path / "bench.json").read_text())["meta"]["malloc_mmap_threshold_fixed"] == "fresh process"
+
+
+def test_bench_native_linear_runs_every_row_through_the_kernel(tiny, tmp_path, monkeypatch):
+    """--native-linear: every row (both baselines included) decodes with the native linear layers; the model's
+    own forward is back after the run."""
+    from kvcomp.kernels import cpu_native
+
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    model, tokenizer = tiny
+    kernel, calls = cpu_native.linear, []
+    monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(1) or kernel(*a))
+    config = BenchConfig(contexts=[32], compressors=["snapkv"], decode_steps=2, memory=False, native_linear=True,
+                         out=str(tmp_path))
+    rows = run_bench(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(rows) == 3 and all(r["decode_tok_s"] > 0 for r in rows)
+    assert len(calls) >= 3 * 2 * len(linears)  # three rows, two timed steps each (and the warm-up's)
+    assert json.loads((tmp_path / "bench.json").read_text())["meta"]["config"]["native_linear"] is True
+    assert not any("forward" in vars(m) for m in linears)
+    model.set_attn_implementation("kvcomp")  # the session fixture is shared

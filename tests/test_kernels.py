@@ -533,3 +533,22 @@ def test_native_speculation_check_equals_the_torch_reference(order):
         torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
         torch.testing.assert_close(got[2], expected[2], rtol=1e-6, atol=1e-6)
         assert got[2][1, 2] == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("out_features,in_features,bias,lead", [(37, 50, True, (1, 1)), (64, 576, False, (1,)),
+                                                                (3, 16, True, ()), (1536, 64, False, (1, 1))])
+def test_native_linear_equals_torchs(out_features, in_features, bias, lead):
+    """Rows not a multiple of 4, columns not a multiple of 16, with and without bias, any leading ones."""
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    g = gen(out_features + in_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(*lead, in_features, generator=g)
+    assert cpu_native.supports_linear(x, w, b)
+    out = cpu_native.linear(x, w, b)
+    assert out.shape == (*lead, out_features)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert not cpu_native.supports_linear(torch.randn(2, in_features), w, b)  # two rows: torch's matrix product
+    assert not cpu_native.supports_linear(x.bfloat16(), w.bfloat16(), None)
+    assert not cpu_native.supports_linear(x, w.t().contiguous().t(), b)  # a transposed weight

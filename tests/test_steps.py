@@ -117,3 +117,35 @@ def test_step_api_drives_lossless_decoding_to_the_same_tokens(tiny64):
     expected = old_generate(model, parts, None, 12, set())
     got, stats = generate_ids(model, parts, Quant(bits=2, group_size=8, residual=8), 12, lossless=Lossless(gamma=3))
     assert got == expected and stats["lossless"].verify_passes >= 1
+
+
+def test_native_linears_run_decode_steps_only_and_give_torchs_logits(tiny, monkeypatch):
+    """Inside native_linears a one-token step's linear layers go through the native kernel (counted), a prefill's
+    stay torch's; the logits equal torch's to float rounding; the modules' own forward is back afterwards."""
+    from kvcomp.kernels import cpu_native
+
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    model, _ = tiny
+    kernel, calls = cpu_native.linear, []
+    monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(1) or kernel(*a))
+    ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    def run():
+        rows = steps.Rows(1, "cpu")
+        cache = CompressedCache(model, SnapKV(compression_ratio=0.5, window=4))
+        with torch.inference_mode():
+            first = steps.prefill(model, cache, ids, rows)
+            return first, steps.decode_one(model, cache, first.argmax(-1)[:, None], rows)
+
+    plain_first, plain_next = run()
+    assert calls == []
+    with steps.native_linears(model):
+        native_first, native_next = run()
+    # one decode step: every linear layer once; the prefill's only one-row call is the output layer on the one
+    # position it keeps
+    assert len(calls) == len(linears) + 1
+    torch.testing.assert_close(native_first, plain_first, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(native_next, plain_next, rtol=1e-5, atol=1e-5)
+    assert not any("forward" in vars(m) for m in linears)
