@@ -429,7 +429,8 @@ def _decode_reference(qg, k, v, spec):
 
 
 @pytest.mark.parametrize("length", [1, 255, 256, 257, 1000])
-@pytest.mark.parametrize("rows,d,cap,sinks", [(3, 64, None, False), (1, 24, None, False), (5, 64, 5.0, True)])
+@pytest.mark.parametrize("rows,d,cap,sinks", [(3, 64, None, False), (1, 24, None, False), (5, 64, 5.0, True),
+                                           (4, 64, None, True)])
 def test_native_decode_attention_matches_reference_on_store_views(length, rows, d, cap, sinks):
     """Keys and values as a growable store holds them (views of buffers with spare slots, so batch and head
     strides are not those of a contiguous tensor); soft-capping and sinks as the layer applies them."""
