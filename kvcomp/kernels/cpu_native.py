@@ -675,12 +675,12 @@ static void keys4_d64(const float* restrict c, int64_t S, int64_t ns, const floa
    vc [BH, L, Wv] packed codes; pos [BH, L] (>= P: a hole); cnt [H, 2, 3] components per width of each KV head's
    keys and values; wk, wv [H, S, D] and ok, ov [H, D]: a key is RoPE(codes @ wk + ok), a value codes @ wv + ov;
    cos_t, sin_t [P, RD] by position (RD rotary channels); rk, rv [BH, R, D], rpos [BH, R]: full-precision sinks and
-   window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, 16 * Sp + 5 * D]; partial [BH * chunks, M, Sp + 1] (Sp: S rounded up
-   to a multiple of 16).
+   window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, 16 * Sp + 5 * D]; partial
+   [BH * chunks, M, Sp + 1] (Sp: S rounded up to a multiple of 16, the components past a head's count zero).
    Keys: each coded token's key is rebuilt once (unpack, S x D multiply-adds, rotation) and shared by the group's
    M rows; or, given qk [BH * chunks, M, Sp + 1] (keys coded after RoPE), each chunk first projects its queries,
-   qk[m, s] = wk[s] . q[m] and qk[m, Sp] = ok . q[m], and a logit is qk[m, S] + codes . qk[m] (S multiply-adds,
-   nothing rebuilt or rotated). Values: the probabilities are applied to the codes and projected once per row at
+   qk[m, s] = wk[s] . q[m] and qk[m, Sp] = ok . q[m], and a logit is qk[m, Sp] + codes . qk[m] (Sp multiply-adds,
+   nothing rebuilt or rotated), sixteen tokens unpacked at a time. Values: the probabilities are applied to the codes and projected once per row at
    the end. */
 void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const uint8_t* vc,
                         const int32_t* pos, const int64_t* cnt, const float* wk, const float* ok, const float* wv,
