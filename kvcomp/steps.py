@@ -133,7 +133,7 @@ def verify_block(model, cache, ids: torch.Tensor, rows: Rows) -> torch.Tensor:
     return forward(model, cache, ids, positions, rows.model_mask(cache, False), logits_to_keep=ids.shape[1])
 
 
-# -- stop tokens --------------------------------------------------------------------------------------------------
+# -- linear layers ------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def native_linears(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, every ``torch.nn.Linear`` of ``model`` runs a call on one float32 CPU row (a decode step's)
@@ -156,6 +156,7 @@ def native_linears(model: torch.nn.Module) -> Iterator[None]:
             del module.forward
 
 
+# -- stop tokens --------------------------------------------------------------------------------------------------
 def cut_at_stop(row: list[int], stop_ids: Iterable[int], keep_stop: bool = False, limit: int | None = None
                 ) -> list[int]:
     """``row`` up to ``limit`` tokens, ending before (``keep_stop``: after) its first stop token."""
