@@ -180,17 +180,20 @@ def test_h2o_keeps_heavy_hitters(tiny):
 
 
 @pytest.mark.parametrize("with_values", [False, True])
-@pytest.mark.parametrize("case", ["prompt", "padded", "window", "softcap", "sinks"])
+@pytest.mark.parametrize("case", ["prompt", "prompt-native", "padded", "window", "softcap", "sinks"])
 def test_received_attention_equals_the_dense_probabilities(monkeypatch, case, with_values):
     """H2O's prompt statistics equal the column sums of the whole probability matrix (the layer's visibility,
     softcap, sinks; padding queries weigh nothing), and the attention output of the same pass equals dense
-    attention's, on the fast path of an unpadded causal prompt (300 queries: five chunks, the last partial) and
-    on the general one."""
+    attention's, on the fast paths of an unpadded causal prompt (300 queries: five chunks, the last partial;
+    with head_dim 16, float32 on a CPU, the native kernel) and on the general one."""
     import kvcomp.ops as ops
+    from kvcomp.kernels import cpu_native
     from kvcomp.ops import SENTINEL, AttentionSpec, dense_attention, softcap, softmax, visible
 
+    if case == "prompt-native" and cpu_native.load() is None:
+        pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(11)
-    b, hq, hkv, n, d = 2, 6, 2, 300, 8
+    b, hq, hkv, n, d = 2, 6, 2, 300, 16 if case == "prompt-native" else 8
     q, k = torch.randn(b, hq, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen)
     v = torch.randn(b, hkv, n, d, generator=gen)
     q_pos = torch.arange(n).repeat(b, 1)
@@ -202,11 +205,12 @@ def test_received_attention_equals_the_dense_probabilities(monkeypatch, case, wi
     spec = AttentionSpec(scaling=d ** -0.5, window=50 if case == "window" else None,
                          softcap=2.0 if case == "softcap" else None,
                          sinks=torch.linspace(-1, 1, hq) if case == "sinks" else None)
-    fast = []
-    original = ops._causal_prompt_received
+    fast, native = [], []
+    original, kernel = ops._causal_prompt_received, cpu_native.prompt_attention
     monkeypatch.setattr(ops, "_causal_prompt_received", lambda *a: fast.append(1) or original(*a))
+    monkeypatch.setattr(cpu_native, "prompt_attention", lambda *a: native.append(1) or kernel(*a))
     got, out = ops.received_attention(q, k, q_pos, q_real, k_pos, spec, v if with_values else None)
-    assert bool(fast) == (case == "prompt")
+    assert (bool(fast), bool(native)) == (case == "prompt", case == "prompt-native")
 
     g = hq // hkv
     logits = softcap(torch.einsum("bhgqd,bhkd->bhgqk", q.view(b, hkv, g, n, d), k) * spec.scaling, spec.softcap)

@@ -465,6 +465,50 @@ def test_native_decode_attention_row_is_the_same_alone_in_a_batch_and_on_any_thr
     assert torch.equal(batch[0][1:2], alone[0]) and torch.equal(batch[1][1:2], alone[1])
 
 
+def _prompt_reference(q, k, v, scaling):
+    b, hq, n, d = q.shape
+    h = k.shape[1]
+    logits = torch.matmul(q.double().view(b, h, hq // h * n, d), k.double().transpose(-1, -2)) * scaling
+    causal = torch.ones(n, n, dtype=torch.bool).tril().repeat(hq // h, 1)
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+    return probs.sum(2), torch.matmul(probs, v.double()).view(b, hq, n, d)
+
+
+@pytest.mark.parametrize("b,hq,h,n,d", [(1, 9, 3, 300, 64), (2, 4, 1, 33, 256), (1, 2, 2, 16, 16), (1, 6, 2, 5, 32),
+                                        (2, 8, 8, 97, 128)])
+def test_native_prompt_attention_matches_reference(b, hq, h, n, d):
+    """The keys each query sees (its own and earlier ones), blocks of 16 queries with a partial last one, any
+    group size and head width of whole vectors; the attention each key receives and the output."""
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    q, k, v = randn(b, hq, n, d, seed=60).cpu() * 2, randn(b, h, n, d, seed=61).cpu(), randn(b, h, n, d, seed=62).cpu()
+    assert cpu_native.supports_prompt(q, k, v)
+    received, out = cpu_native.prompt_attention(q, k, v, d ** -0.5)
+    want_received, want_out = _prompt_reference(q, k, v, d ** -0.5)
+    torch.testing.assert_close(received.double(), want_received, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    only, none = cpu_native.prompt_attention(q, k, None, d ** -0.5)
+    assert none is None and torch.equal(only, received)
+
+
+def test_native_prompt_attention_is_the_same_alone_in_a_batch_and_on_any_thread_count():
+    """Bit for bit: the received attention is summed in waves of a fixed size and a fixed order."""
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    q, k, v = randn(3, 6, 200, 64, seed=63).cpu(), randn(3, 2, 200, 64, seed=64).cpu(), randn(3, 2, 200, 64, seed=65).cpu()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = cpu_native.prompt_attention(q, k, v, 0.125)
+        torch.set_num_threads(1)
+        alone = cpu_native.prompt_attention(q[1:2], k[1:2], v[1:2], 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch[0][1:2], alone[0]) and torch.equal(batch[1][1:2], alone[1])
+    assert not cpu_native.supports_prompt(q[..., :8], k[..., :8], v[..., :8])  # not whole vectors: torch
+    assert not cpu_native.supports_prompt(q.bfloat16(), k.bfloat16(), v.bfloat16())
+
+
 def test_kernel_benchmark_script_runs_at_tiny_size(tmp_path):
     from experiments import kernel_bench
 

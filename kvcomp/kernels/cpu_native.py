@@ -44,6 +44,7 @@ SOURCE = r"""
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/uio.h>
@@ -970,6 +971,123 @@ void decode_attention_f32(const float* q, const float* k, const float* v, float*
     }
 }
 
+/* The lane-wise maximum (a vector ?: is C++ only in gcc). */
+static inline v16f max16(v16f a, v16f b) {
+    const v16i g = a > b;
+    return (v16f)(((v16i)a & g) | ((v16i)b & ~g));
+}
+
+/* 16 query rows (qt [16, D], scaled) times the 16 keys of a transposed block (kt [D, 16]): the rows' logits,
+   16 apart LS floats at lg (one register per row; each key vector feeds 16 multiply-adds). */
+static inline __attribute__((always_inline)) void tile_qk(const float* restrict qt, const float* restrict kt,
+                                                          int64_t D, float* restrict lg, int64_t LS) {
+    v16f a[16];
+    for (int r = 0; r < 16; r++) a[r] = (v16f){0};
+    for (int64_t d = 0; d < D; d++) {
+        const v16f kv = load16(kt + 16 * d);
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) a[r] += qt[r * D + d] * kv;
+    }
+    for (int r = 0; r < 16; r++) store16(lg + r * LS, a[r]);
+}
+
+/* a[r] = sum_{j < T} p[r * LS + j] * v[j * D .. + 16] for 16 rows: 16 channels of the rows' value sums. */
+static inline __attribute__((always_inline)) void tile_pv(const float* restrict p, int64_t LS,
+                                                          const float* restrict v, int64_t D, int64_t T,
+                                                          v16f* restrict a) {
+    for (int r = 0; r < 16; r++) a[r] = (v16f){0};
+    for (int64_t j = 0; j < T; j++) {
+        const v16f vv = load16(v + j * D);
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) a[r] += p[r * LS + j] * vv;
+    }
+}
+
+/* Causal attention of an unpadded prompt over its own keys (query t sees keys 0..t; D % 16 == 0), with the
+   attention each key receives summed over the queries and the query group (H2O's statistic): q [B, H, G, n, D],
+   k, v [B, H, n, D]; out [B, H, G, n, D] (NULL: not computed), received [B, H, n]. Scratch: keys_t
+   [B, H, NB, D, 16] (the keys in transposed blocks of 16, NB = ceil(n / 16)), slots [B * H * G, W, LS] and work
+   [threads, 16 * D + 16 * LS] (LS = 16 * NB + 16: a padded stride, so 16 rows do not share cache sets).
+   A work item is 16 queries of one head: their logits against every key block up to the diagonal, kept in
+   `work` (no n x n matrix), a softmax, the column sums of the probabilities into its slot and the value sums.
+   Items go in waves of W query blocks (the last ones first: the longest rows) and each wave's slots are added
+   to `received` in a fixed order, so the result does not depend on the threads or on B. */
+void prompt_attention_f32(const float* q, const float* k, const float* v, float* out, float* received,
+                          float* keys_t, float* slots, float* work, int64_t B, int64_t H, int64_t G, int64_t n,
+                          int64_t D, int64_t W, float scaling, int threads) {
+    const int64_t NB = (n + 15) / 16, LS = NB * 16 + 16, BH = B * H, BHG = BH * G;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < BH; bh++)
+            for (int64_t jb = 0; jb < NB; jb++) {
+                float* kt = keys_t + (bh * NB + jb) * D * 16;
+                for (int i = 0; i < 16; i++) {
+                    const int64_t j = jb * 16 + i;
+                    const float* kr = k + (bh * n + j) * D;
+                    for (int64_t d = 0; d < D; d++) kt[d * 16 + i] = j < n ? kr[d] : 0.0f;
+                }
+            }
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < BH * n; i++) received[i] = 0.0f;
+        float* qt = work + omp_get_thread_num() * (16 * D + 16 * LS);
+        float* lg = qt + 16 * D;
+        for (int64_t hi = NB; hi > 0; hi -= W) {
+            const int64_t lo = hi > W ? hi - W : 0;
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < BHG * (hi - lo); it++) {
+                const int64_t tile = hi - 1 - it / BHG, bhg = it % BHG, bh = bhg / G;
+                const int64_t t0 = tile * 16, R = n - t0 < 16 ? n - t0 : 16;
+                const float* qr = q + (bhg * n + t0) * D;
+                for (int r = 0; r < 16; r++)  /* the scale folded into the queries; rows past n zero */
+                    for (int64_t d = 0; d < D; d++) qt[r * D + d] = r < R ? qr[r * D + d] * scaling : 0.0f;
+                for (int64_t jb = 0; jb <= tile; jb++)
+                    tile_qk(qt, keys_t + (bh * NB + jb) * D * 16, D, lg + jb * 16, LS);
+                float inv[16];
+                for (int r = 0; r < 16; r++) {
+                    float* row = lg + r * LS;
+                    for (int i = r + 1; i < 16; i++) row[t0 + i] = -INFINITY;  /* keys after the query */
+                    v16f m = load16(row);
+                    for (int64_t jb = 1; jb <= tile; jb++) m = max16(load16(row + 16 * jb), m);
+                    float mx = m[0];
+                    for (int i = 1; i < 16; i++) mx = m[i] > mx ? m[i] : mx;
+                    v16f s = {0};
+                    for (int64_t jb = 0; jb <= tile; jb++) {
+                        const v16f e = exp16(load16(row + 16 * jb) - mx);
+                        store16(row + 16 * jb, e);
+                        s += e;
+                    }
+                    inv[r] = r < R ? 1.0f / hsum16(s) : 0.0f;
+                }
+                float* col = slots + (bhg * W + tile - lo) * LS;
+                for (int64_t jb = 0; jb <= tile; jb++) {
+                    v16f c = {0};
+                    for (int r = 0; r < 16; r++) c += load16(lg + r * LS + 16 * jb) * inv[r];
+                    store16(col + 16 * jb, c);
+                }
+                if (out) {
+                    float* o = out + (bhg * n + t0) * D;
+                    for (int64_t c = 0; c < D; c += 16) {
+                        v16f a[16];
+                        tile_pv(lg, LS, v + bh * n * D + c, D, t0 + R, a);
+                        for (int r = 0; r < R; r++) store16(o + r * D + c, a[r] * inv[r]);
+                    }
+                }
+            }
+            const int64_t reach = hi * 16 < n ? hi * 16 : n;  /* the keys this wave's queries see */
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < BH * reach; i++) {
+                const int64_t bh = i / reach, j = i % reach;
+                float s = 0.0f;
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t tile = lo > j / 16 ? lo : j / 16; tile < hi; tile++)
+                        s += slots[((bh * G + g) * W + tile - lo) * LS + j];
+                received[bh * n + j] += s;
+            }
+        }
+    }
+}
+
 /* Quest's page bound maximized over each KV head's query group: out[bh, p] = max over g of
    sum_d max(q[bh, g, d] * hi[bh, p, d], q[bh, g, d] * lo[bh, p, d]); q [BH, G, D], hi and lo [BH, P, D]. */
 void page_scores_f32(const float* q, const float* hi, const float* lo, float* out, int64_t BH, int64_t G,
@@ -1339,6 +1457,9 @@ def _compile() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_void_p,
                                                                                           ctypes.c_int]
+    fn = lib.prompt_attention_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     fn = lib.gather_tokens
     fn.restype = ctypes.c_int64
     fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 4
@@ -1710,6 +1831,45 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
                              None if sinks is None else sinks.data_ptr(),
                              max(1, min(torch.get_num_threads(), b * h * chunks)))
     return out, probs
+
+
+def supports_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
+    """Whether :func:`prompt_attention` runs these inputs: float32 CPU tensors, ``D`` a multiple of 16."""
+    return (enabled() and q.device.type == "cpu" and q.shape[-1] % 16 == 0
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k) + (() if v is None else (v,)))
+            and load() is not None)
+
+
+PROMPT_WAVE_ROWS = 32  # query heads x 16-query blocks per wave of prompt_attention (fixed: no dependence on threads)
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scaling: float
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention of an unpadded prompt over its own keys (query ``t`` sees keys ``0..t``; no window,
+    soft-cap or sinks) and the attention each key receives, summed over the queries and the query group:
+    ``q`` ``[B, H_q, n, D]``, ``k``, ``v`` ``[B, H_kv, n, D]`` -> (received ``[B, H_kv, n]``, out ``[B, H_q, n, D]``
+    or None without ``v``), what :func:`kvcomp.ops.received_attention` returns to float rounding, without the
+    ``n x n`` probabilities in memory (:func:`supports_prompt` first). The same for any thread count or batch."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the native CPU kernel is unavailable; use kvcomp.ops.received_attention")
+    b, hq, n, d = q.shape
+    h = k.shape[1]
+    blocks = -(-n // 16)
+    stride, wave = 16 * blocks + 16, min(blocks, max(1, -(-PROMPT_WAVE_ROWS // hq)))
+    threads = max(1, min(torch.get_num_threads(), b * hq * blocks))
+    q, k = q.contiguous(), k.contiguous()
+    v = None if v is None else v.contiguous()
+    received = torch.empty(b, h, n, dtype=torch.float32)
+    out = None if v is None else torch.empty(b, hq, n, d, dtype=torch.float32)
+    keys_t = torch.empty(b * h * blocks * d * 16, dtype=torch.float32)
+    slots = torch.empty(b * hq * wave * stride, dtype=torch.float32)
+    work = torch.empty(threads * (16 * d + 16 * stride), dtype=torch.float32)
+    if n:
+        lib.prompt_attention_f32(q.data_ptr(), k.data_ptr(), None if v is None else v.data_ptr(),
+                                 None if out is None else out.data_ptr(), received.data_ptr(), keys_t.data_ptr(),
+                                 slots.data_ptr(), work.data_ptr(), b, h, hq // h, n, d, wave, float(scaling), threads)
+    return received, out
 
 
 def supports_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
