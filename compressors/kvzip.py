@@ -32,6 +32,7 @@ import torch
 from kvcomp import validation
 from kvcomp.allocation import adaptive_keep
 from kvcomp.compressor import Capabilities, CompressorError
+from kvcomp.kernels import cpu_native
 from kvcomp.ops import attention_probs, rows_per_chunk, softcap, softmax, visible
 from kvcomp.ragged import RaggedStore
 from kvcomp.replay import replay
@@ -195,6 +196,10 @@ def attend_and_score(q, ctx, context, block, protected: int, start: int, stop: i
     # The repetition's keys are its own queries (positions in order): queries lo:hi see none of the keys after
     # hi, so those are neither multiplied nor masked, and the keys before lo need no mask.
     own = bpos.shape[2] == m and bool((bpos == ctx.query_positions[:, None, :]).all())
+    if own and context_mask is None and ctx.spec.plain and cpu_native.supports_prompt(q, ck, cv, bk, bv):
+        # One pass per 16 queries, the probabilities never in memory: ~2.5x faster at 8K on SmolLM2.
+        best, out = cpu_native.reconstruction_attention(q, bk, bv, ctx.spec.scaling, (ck, cv), protected, start, stop)
+        return out.to(q.dtype), best
     out = torch.empty_like(q)
     best = torch.zeros(b, hkv, stop - start, dtype=torch.float32, device=q.device)
     step = rows_per_chunk(b * hq, n_ctx + bk.shape[2], budget=_REPLAY_PROBS)

@@ -491,6 +491,33 @@ def test_native_prompt_attention_matches_reference(b, hq, h, n, d):
     assert none is None and torch.equal(only, received)
 
 
+@pytest.mark.parametrize("nc,n,d", [(40, 33, 64), (16, 5, 16), (3, 17, 128)])
+def test_native_prompt_attention_over_a_context_every_query_sees(nc, n, d):
+    """With context keys before the block's own (KVzip's repetition over a prefilled context): the received
+    attention of both, and the output, against the whole probability matrix (context padding never counted)."""
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    b, hq, h = 1, 6, 2
+    q, k, v = randn(b, hq, n, d, seed=66).cpu() * 2, randn(b, h, n, d, seed=67).cpu(), randn(b, h, n, d, seed=68).cpu()
+    ck, cv = randn(b, h, nc, d, seed=69).cpu(), randn(b, h, nc, d, seed=70).cpu()
+    received, out = cpu_native.prompt_attention(q, k, v, d ** -0.5, (ck, cv))
+    g = hq // h
+    logits = torch.matmul(q.double().view(b, h, g * n, d), torch.cat([ck, k], 2).double().transpose(-1, -2)) * d ** -0.5
+    seen = torch.cat([torch.ones(n, nc, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1).repeat(g, 1)
+    probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1)
+    torch.testing.assert_close(received.double(), probs.sum(2), rtol=1e-5, atol=1e-5)
+    want = torch.matmul(probs, torch.cat([cv, v], 2).double()).view(b, hq, n, d)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    scores, same = cpu_native.reconstruction_attention(q, k, v, d ** -0.5, (ck, cv), 1, 2, nc)
+    torch.testing.assert_close(same, out)  # the same probabilities, another statistic
+    kept = torch.ones(nc + n, dtype=torch.bool)
+    kept[1] = False  # neither protected (key 0) nor scored (keys 2..nc-1): out of the renormalising sum
+    renormalised = probs / (probs * kept).sum(-1, keepdim=True)
+    torch.testing.assert_close(scores.double(), renormalised[..., 2:nc].amax(2), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="context keys"):
+        cpu_native.reconstruction_attention(q, k, v, d ** -0.5, (ck, cv), 2, 5, nc + 1)
+
+
 def test_native_prompt_attention_is_the_same_alone_in_a_batch_and_on_any_thread_count():
     """Bit for bit: the received attention is summed in waves of a fixed size and a fixed order."""
     if cpu_native.load() is None:

@@ -729,15 +729,21 @@ def test_shared_prefill_equals_own_prefill_for_the_new_methods(tiny64, query_awa
     (AttentionSpec(scaling=0.4), True), (AttentionSpec(scaling=0.4, window=20), False)],
     ids=["plain", "softcap", "sinks", "empty-slot", "window"])
 @pytest.mark.parametrize("rows", [None, 2], ids=["one-block", "2-row-blocks"])
-def test_kvzip_attention_and_scores_from_one_pass_equal_the_direct_forms(monkeypatch, spec, hole, rows):
+@pytest.mark.parametrize("d", [8, 16], ids=["d8", "d16"])
+def test_kvzip_attention_and_scores_from_one_pass_equal_the_direct_forms(monkeypatch, spec, hole, rows, d):
+    """The same with torch (head_dim 8) and, where the layer qualifies (float32 on a CPU, head_dim 16, every
+    context key visible, no soft-cap or sinks), with the native kernel."""
     import compressors.kvzip
     from compressors.kvzip import attend_and_score
+    from kvcomp.kernels import cpu_native
 
     if rows:  # query blocks of 2 rows (4 grouped rows x 37 keys): the repetition's keys cut at each block's end
         monkeypatch.setattr(compressors.kvzip, "_REPLAY_PROBS", rows * 2 * 2 * 37)
+    native, kernel = [], cpu_native.reconstruction_attention
+    monkeypatch.setattr(cpu_native, "reconstruction_attention", lambda *a: native.append(1) or kernel(*a))
 
     gen = torch.Generator().manual_seed(1)
-    b, hkv, g, d, n_ctx, m = 1, 2, 2, 8, 30, 7
+    b, hkv, g, n_ctx, m = 1, 2, 2, 30, 7
     ck, cv = torch.randn(b, hkv, n_ctx, d, generator=gen), torch.randn(b, hkv, n_ctx, d, generator=gen)
     bk, bv = torch.randn(b, hkv, m, d, generator=gen), torch.randn(b, hkv, m, d, generator=gen)
     cpos = torch.arange(n_ctx).expand(b, hkv, n_ctx)
@@ -750,6 +756,8 @@ def test_kvzip_attention_and_scores_from_one_pass_equal_the_direct_forms(monkeyp
     ctx = dataclasses.replace(ctx_for(bpos, bpos[:, 0], spec=spec), spec=spec)
     protected, start, stop = 3, 10, 20
     out, scores = attend_and_score(q, ctx, (ck, cv, cpos), (bk, bv, bpos), protected, start, stop)
+    qualifies = d == 16 and spec.plain and not hole and spec.window is None and cpu_native.load() is not None
+    assert bool(native) == qualifies
     keys, values = torch.cat([ck, bk], 2), torch.cat([cv, bv], 2)
     expected, _ = dense_attention(q, keys, values, bpos[:, 0], torch.cat([cpos, bpos], 2), spec)
     assert torch.allclose(out, expected, atol=1e-5)

@@ -1003,86 +1003,141 @@ static inline __attribute__((always_inline)) void tile_pv(const float* restrict 
     }
 }
 
-/* Causal attention of an unpadded prompt over its own keys (query t sees keys 0..t; D % 16 == 0), with the
-   attention each key receives summed over the queries and the query group (H2O's statistic): q [B, H, G, n, D],
-   k, v [B, H, n, D]; out [B, H, G, n, D] (NULL: not computed), received [B, H, n]. Scratch: keys_t
-   [B, H, NB, D, 16] (the keys in transposed blocks of 16, NB = ceil(n / 16)), slots [B * H * G, W, LS] and work
-   [threads, 16 * D + 16 * LS] (LS = 16 * NB + 16: a padded stride, so 16 rows do not share cache sets).
-   A work item is 16 queries of one head: their logits against every key block up to the diagonal, kept in
-   `work` (no n x n matrix), a softmax, the column sums of the probabilities into its slot and the value sums.
-   Items go in waves of W query blocks (the last ones first: the longest rows) and each wave's slots are added
-   to `received` in a fixed order, so the result does not depend on the threads or on B. */
-void prompt_attention_f32(const float* q, const float* k, const float* v, float* out, float* received,
-                          float* keys_t, float* slots, float* work, int64_t B, int64_t H, int64_t G, int64_t n,
-                          int64_t D, int64_t W, float scaling, int threads) {
-    const int64_t NB = (n + 15) / 16, LS = NB * 16 + 16, BH = B * H, BHG = BH * G;
+/* Attention of n queries over nc context keys they all see and over their own n keys, causally (query t sees
+   context keys 0..nc-1 and its own keys 0..t; D % 16 == 0), with a statistic of the probabilities:
+   q [B, H, G, n, D] (the G query heads of KV head h), ck, cv [B, H, nc, D], k, v [B, H, n, D];
+   out [B, H, G, n, D] (NULL: not computed). The statistic, into stat:
+   - hi <= lo: the attention each key receives, summed over the queries and the query group (H2O's),
+     [B, H, nc + n] (context keys, then own keys);
+   - hi > lo: KVzip's reconstruction score of context keys lo..hi-1, [B, H, hi - lo]: the largest, over the
+     queries and the group, of a key's probability renormalised over context keys 0..protect-1, lo..hi-1 and
+     the own keys.
+   Scratch: keys_t [B, H, KB, D, 16] (the context keys, then the own ones, in transposed blocks of 16 each side,
+   KB = ceil(nc / 16) + ceil(n / 16)), work [threads, 16 * D + 16 * LS] (LS = 16 * KB + 16: a padded stride, so
+   16 rows do not share cache sets) and slots: [B * H * G, W, LS] for the sums, [threads, B, H, hi - lo] for the
+   maxima. A work item is 16 queries of one head: their logits against every key block they see, kept in `work`
+   (no n x n matrix), a softmax, the statistic and the value sums. Sums go in waves of W query blocks (the last
+   ones first: the longest rows), each wave's slots added in a fixed order; maxima do not depend on an order: the
+   result is the same for any threads or B. */
+void prompt_attention_f32(const float* q, const float* ck, const float* cv, const float* k, const float* v,
+                          float* out, float* stat, float* keys_t, float* slots, float* work, int64_t B, int64_t H,
+                          int64_t G, int64_t nc, int64_t n, int64_t D, int64_t W, float scaling, int64_t protect,
+                          int64_t lo, int64_t hi, int threads) {
+    const int64_t NC = (nc + 15) / 16, NB = (n + 15) / 16, KB = NC + NB, C0 = 16 * NC;
+    const int64_t LS = 16 * KB + 16, BH = B * H, BHG = BH * G, S = hi > lo ? hi - lo : 0;
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++)
-            for (int64_t jb = 0; jb < NB; jb++) {
-                float* kt = keys_t + (bh * NB + jb) * D * 16;
+            for (int64_t jb = 0; jb < KB; jb++) {
+                float* kt = keys_t + (bh * KB + jb) * D * 16;
+                const int own = jb >= NC;
+                const int64_t len = own ? n : nc;
+                const float* src = own ? k + bh * n * D : ck + bh * nc * D;
                 for (int i = 0; i < 16; i++) {
-                    const int64_t j = jb * 16 + i;
-                    const float* kr = k + (bh * n + j) * D;
-                    for (int64_t d = 0; d < D; d++) kt[d * 16 + i] = j < n ? kr[d] : 0.0f;
+                    const int64_t j = (own ? jb - NC : jb) * 16 + i;
+                    for (int64_t d = 0; d < D; d++) kt[d * 16 + i] = j < len ? src[j * D + d] : 0.0f;
                 }
             }
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < BH * n; i++) received[i] = 0.0f;
-        float* qt = work + omp_get_thread_num() * (16 * D + 16 * LS);
+        const int tid = omp_get_thread_num();
+        float* qt = work + tid * (16 * D + 16 * LS);
         float* lg = qt + 16 * D;
-        for (int64_t hi = NB; hi > 0; hi -= W) {
-            const int64_t lo = hi > W ? hi - W : 0;
+        float* best = slots + tid * BH * S;
+        if (S) {
+            memset(best, 0, sizeof(float) * BH * S);
+        } else {
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < BH * (nc + n); i++) stat[i] = 0.0f;
+        }
+        const int64_t step = S ? NB : W;  /* maxima: one wave */
+        for (int64_t top = NB; top > 0; top -= step) {
+            const int64_t bottom = top > step ? top - step : 0;
             #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < BHG * (hi - lo); it++) {
-                const int64_t tile = hi - 1 - it / BHG, bhg = it % BHG, bh = bhg / G;
-                const int64_t t0 = tile * 16, R = n - t0 < 16 ? n - t0 : 16;
+            for (int64_t it = 0; it < BHG * (top - bottom); it++) {
+                const int64_t tile = top - 1 - it / BHG, bhg = it % BHG, bh = bhg / G;
+                const int64_t t0 = tile * 16, R = n - t0 < 16 ? n - t0 : 16, T = C0 + 16 * (tile + 1);
                 const float* qr = q + (bhg * n + t0) * D;
                 for (int r = 0; r < 16; r++)  /* the scale folded into the queries; rows past n zero */
                     for (int64_t d = 0; d < D; d++) qt[r * D + d] = r < R ? qr[r * D + d] * scaling : 0.0f;
-                for (int64_t jb = 0; jb <= tile; jb++)
-                    tile_qk(qt, keys_t + (bh * NB + jb) * D * 16, D, lg + jb * 16, LS);
-                float inv[16];
+                for (int64_t jb = 0; jb < NC + tile + 1; jb++)
+                    tile_qk(qt, keys_t + (bh * KB + jb) * D * 16, D, lg + jb * 16, LS);
+                float inv[16], part[16];
                 for (int r = 0; r < 16; r++) {
                     float* row = lg + r * LS;
-                    for (int i = r + 1; i < 16; i++) row[t0 + i] = -INFINITY;  /* keys after the query */
+                    for (int64_t j = nc; j < C0; j++) row[j] = -INFINITY;  /* the context's padding */
+                    for (int i = r + 1; i < 16; i++) row[C0 + t0 + i] = -INFINITY;  /* keys after the query */
                     v16f m = load16(row);
-                    for (int64_t jb = 1; jb <= tile; jb++) m = max16(load16(row + 16 * jb), m);
+                    for (int64_t j = 16; j < T; j += 16) m = max16(load16(row + j), m);
                     float mx = m[0];
                     for (int i = 1; i < 16; i++) mx = m[i] > mx ? m[i] : mx;
-                    v16f s = {0};
-                    for (int64_t jb = 0; jb <= tile; jb++) {
-                        const v16f e = exp16(load16(row + 16 * jb) - mx);
-                        store16(row + 16 * jb, e);
-                        s += e;
+                    v16f sum = {0};
+                    for (int64_t j = 0; j < T; j += 16) {
+                        const v16f e = exp16(load16(row + j) - mx);
+                        store16(row + j, e);
+                        sum += e;
                     }
-                    inv[r] = r < R ? 1.0f / hsum16(s) : 0.0f;
+                    const float total = hsum16(sum);
+                    inv[r] = r < R ? 1.0f / total : 0.0f;
+                    if (S && r < R) {  /* the renormalising sum: protected keys, the scored ones, the own keys */
+                        float kept = 0.0f;
+                        for (int64_t j = 0; j < protect && j < nc; j++) kept += row[j];
+                        for (int64_t j = lo; j < hi; j++) kept += row[j];
+                        v16f ownsum = {0};
+                        for (int64_t j = C0; j < T; j += 16) ownsum += load16(row + j);
+                        part[r] = 1.0f / (kept + hsum16(ownsum));
+                    }
                 }
-                float* col = slots + (bhg * W + tile - lo) * LS;
-                for (int64_t jb = 0; jb <= tile; jb++) {
-                    v16f c = {0};
-                    for (int r = 0; r < 16; r++) c += load16(lg + r * LS + 16 * jb) * inv[r];
-                    store16(col + 16 * jb, c);
+                if (S) {
+                    float* mine = best + bh * S;
+                    for (int r = 0; r < R; r++) {
+                        const float* row = lg + r * LS + lo;
+                        const float w = part[r];
+                        int64_t j = 0;
+                        for (; j + 16 <= S; j += 16) store16(mine + j, max16(load16(row + j) * w, load16(mine + j)));
+                        for (; j < S; j++) mine[j] = row[j] * w > mine[j] ? row[j] * w : mine[j];
+                    }
+                } else {
+                    float* col = slots + (bhg * W + tile - bottom) * LS;
+                    for (int64_t j = 0; j < T; j += 16) {
+                        v16f c = {0};
+                        for (int r = 0; r < 16; r++) c += load16(lg + r * LS + j) * inv[r];
+                        store16(col + j, c);
+                    }
                 }
                 if (out) {
                     float* o = out + (bhg * n + t0) * D;
                     for (int64_t c = 0; c < D; c += 16) {
-                        v16f a[16];
-                        tile_pv(lg, LS, v + bh * n * D + c, D, t0 + R, a);
+                        v16f a[16], b2[16];
+                        tile_pv(lg + C0, LS, v + bh * n * D + c, D, t0 + R, a);
+                        if (nc) {
+                            tile_pv(lg, LS, cv + bh * nc * D + c, D, nc, b2);
+                            for (int r = 0; r < 16; r++) a[r] += b2[r];
+                        }
                         for (int r = 0; r < R; r++) store16(o + r * D + c, a[r] * inv[r]);
                     }
                 }
             }
-            const int64_t reach = hi * 16 < n ? hi * 16 : n;  /* the keys this wave's queries see */
+            if (S) continue;
+            const int64_t reach = nc + (top * 16 < n ? top * 16 : n);  /* the keys this wave's queries see */
             #pragma omp for schedule(static)
             for (int64_t i = 0; i < BH * reach; i++) {
                 const int64_t bh = i / reach, j = i % reach;
-                float s = 0.0f;
+                const int64_t c = j < nc ? j : C0 + j - nc, first = j < nc ? bottom : (j - nc) / 16;
+                float sum = 0.0f;
                 for (int64_t g = 0; g < G; g++)
-                    for (int64_t tile = lo > j / 16 ? lo : j / 16; tile < hi; tile++)
-                        s += slots[((bh * G + g) * W + tile - lo) * LS + j];
-                received[bh * n + j] += s;
+                    for (int64_t tile = first > bottom ? first : bottom; tile < top; tile++)
+                        sum += slots[((bh * G + g) * W + tile - bottom) * LS + c];
+                stat[bh * (nc + n) + j] += sum;
+            }
+        }
+        if (S) {
+            #pragma omp barrier
+            const int team = omp_get_num_threads();
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < BH * S; i++) {
+                float m = slots[i];
+                for (int t = 1; t < team; t++) m = slots[t * BH * S + i] > m ? slots[t * BH * S + i] : m;
+                stat[i] = m;
             }
         }
     }
@@ -1459,7 +1514,8 @@ def _compile() -> ctypes.CDLL | None:
                                                                                           ctypes.c_int]
     fn = lib.prompt_attention_f32
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_int64] * 7 + [ctypes.c_float] + [ctypes.c_int64] * 3
+                   + [ctypes.c_int])
     fn = lib.gather_tokens
     fn.restype = ctypes.c_int64
     fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 4
@@ -1833,43 +1889,70 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     return out, probs
 
 
-def supports_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
-    """Whether :func:`prompt_attention` runs these inputs: float32 CPU tensors, ``D`` a multiple of 16."""
-    return (enabled() and q.device.type == "cpu" and q.shape[-1] % 16 == 0
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k) + (() if v is None else (v,)))
+def supports_prompt(q: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    """Whether :func:`prompt_attention` and :func:`reconstruction_attention` run these inputs (queries, then
+    keys and values; None: absent): float32 CPU tensors, ``D`` a multiple of 16."""
+    return (enabled() and q.shape[-1] % 16 == 0
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, *tensors) if t is not None)
             and load() is not None)
 
 
 PROMPT_WAVE_ROWS = 32  # query heads x 16-query blocks per wave of prompt_attention (fixed: no dependence on threads)
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scaling: float
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scaling: float,
+                     context: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal attention of an unpadded prompt over its own keys (query ``t`` sees keys ``0..t``; no window,
-    soft-cap or sinks) and the attention each key receives, summed over the queries and the query group:
-    ``q`` ``[B, H_q, n, D]``, ``k``, ``v`` ``[B, H_kv, n, D]`` -> (received ``[B, H_kv, n]``, out ``[B, H_q, n, D]``
-    or None without ``v``), what :func:`kvcomp.ops.received_attention` returns to float rounding, without the
-    ``n x n`` probabilities in memory (:func:`supports_prompt` first). The same for any thread count or batch."""
+    """Causal attention of a block of ``n`` queries over its own keys (query ``t`` sees own keys ``0..t``) and
+    over the ``nc`` keys of ``context`` (``(keys, values)``, seen by every query; None: none), with no window,
+    soft-cap or sinks, and the attention each key receives, summed over the queries and the query group:
+    ``q`` ``[B, H_q, n, D]``, ``k``, ``v`` ``[B, H_kv, n, D]`` -> (received ``[B, H_kv, nc + n]`` (context keys
+    first), out ``[B, H_q, n, D]`` or None without ``v``), what :func:`kvcomp.ops.received_attention` returns to
+    float rounding, without the probabilities in memory (:func:`supports_prompt` first). The same for any
+    thread count or batch."""
+    return _prompt(q, k, v, scaling, context, 0, 0, 0)
+
+
+def reconstruction_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                             context: tuple[torch.Tensor, torch.Tensor], protected: int, start: int, stop: int
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVzip's scoring pass (:func:`compressors.kvzip.attend_and_score` on a full-attention layer whose context
+    keys every query sees; no soft-cap or sinks): the attention of the repetition queries ``q`` ``[B, H_q, n, D]``
+    over the ``context`` ``(keys, values)`` ``[B, H_kv, nc, D]`` and, causally, their own ``k``, ``v`` ->
+    (scores ``[B, H_kv, stop - start]``: the largest probability any query of a KV head's group gives context key
+    ``start + i``, renormalised over context keys ``0..protected-1``, ``start..stop-1`` and the own keys;
+    out ``[B, H_q, n, D]``)."""
+    if not 0 <= start < stop <= context[0].shape[2]:
+        raise ValueError(f"scored keys [{start}, {stop}) must lie in the {context[0].shape[2]} context keys")
+    return _prompt(q, k, v, scaling, context, protected, start, stop)
+
+
+def _prompt(q, k, v, scaling, context, protected, start, stop):
     lib = load()
     if lib is None:
         raise RuntimeError("the native CPU kernel is unavailable; use kvcomp.ops.received_attention")
     b, hq, n, d = q.shape
     h = k.shape[1]
-    blocks = -(-n // 16)
-    stride, wave = 16 * blocks + 16, min(blocks, max(1, -(-PROMPT_WAVE_ROWS // hq)))
-    threads = max(1, min(torch.get_num_threads(), b * hq * blocks))
+    ck, cv = (None, None) if context is None else (context[0].contiguous(), context[1].contiguous())
+    nc = 0 if ck is None else ck.shape[2]
+    blocks = -(-nc // 16) + -(-n // 16)
+    stride, wave = 16 * blocks + 16, min(-(-n // 16), max(1, -(-PROMPT_WAVE_ROWS // hq)))
+    threads = max(1, min(torch.get_num_threads(), b * hq * -(-n // 16)))
     q, k = q.contiguous(), k.contiguous()
     v = None if v is None else v.contiguous()
-    received = torch.empty(b, h, n, dtype=torch.float32)
+    scored = stop - start
+    stat = torch.empty(b, h, scored if scored else nc + n, dtype=torch.float32)
     out = None if v is None else torch.empty(b, hq, n, d, dtype=torch.float32)
     keys_t = torch.empty(b * h * blocks * d * 16, dtype=torch.float32)
-    slots = torch.empty(b * hq * wave * stride, dtype=torch.float32)
+    slots = torch.empty(threads * b * h * scored if scored else b * hq * wave * stride, dtype=torch.float32)
     work = torch.empty(threads * (16 * d + 16 * stride), dtype=torch.float32)
     if n:
-        lib.prompt_attention_f32(q.data_ptr(), k.data_ptr(), None if v is None else v.data_ptr(),
-                                 None if out is None else out.data_ptr(), received.data_ptr(), keys_t.data_ptr(),
-                                 slots.data_ptr(), work.data_ptr(), b, h, hq // h, n, d, wave, float(scaling), threads)
-    return received, out
+        lib.prompt_attention_f32(q.data_ptr(), None if ck is None else ck.data_ptr(),
+                                 None if cv is None else cv.data_ptr(), k.data_ptr(),
+                                 None if v is None else v.data_ptr(), None if out is None else out.data_ptr(),
+                                 stat.data_ptr(), keys_t.data_ptr(), slots.data_ptr(), work.data_ptr(), b, h, hq // h,
+                                 nc, n, d, max(1, wave), float(scaling), protected, start, stop, threads)
+    return stat, out
 
 
 def supports_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
