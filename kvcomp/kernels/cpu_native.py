@@ -991,15 +991,23 @@ static inline __attribute__((always_inline)) void tile_qk(const float* restrict 
     for (int r = 0; r < 16; r++) store16(lg + r * LS, a[r]);
 }
 
-/* a[r] = sum_{j < T} p[r * LS + j] * v[j * D .. + 16] for 16 rows: 16 channels of the rows' value sums. */
-static inline __attribute__((always_inline)) void tile_pv(const float* restrict p, int64_t LS,
-                                                          const float* restrict v, int64_t D, int64_t T,
-                                                          v16f* restrict a) {
-    for (int r = 0; r < 16; r++) a[r] = (v16f){0};
-    for (int64_t j = 0; j < T; j++) {
-        const v16f vv = load16(v + j * D);
+/* acc[r * D + c] += sum_{j < T} p[r * LS + j] * v[j * D + c] for 16 rows and every channel c (D % 16 == 0):
+   256 keys at a time, each of their 16-channel slices summed in registers, so the rows' probabilities are read
+   once from memory (their 16 KB stay in L1 across the slices) and a chunk's values from L2. */
+static void tile_values(const float* restrict p, int64_t LS, const float* restrict v, int64_t D, int64_t T,
+                        float* restrict acc) {
+    for (int64_t j0 = 0; j0 < T; j0 += 256) {
+        const int64_t j1 = j0 + 256 < T ? j0 + 256 : T;
+        for (int64_t c = 0; c < D; c += 16) {
+            v16f a[16];
+            for (int r = 0; r < 16; r++) a[r] = load16(acc + r * D + c);
+            for (int64_t j = j0; j < j1; j++) {
+                const v16f vv = load16(v + j * D + c);
 #pragma GCC unroll 16
-        for (int r = 0; r < 16; r++) a[r] += p[r * LS + j] * vv;
+                for (int r = 0; r < 16; r++) a[r] += p[r * LS + j] * vv;
+            }
+            for (int r = 0; r < 16; r++) store16(acc + r * D + c, a[r]);
+        }
     }
 }
 
@@ -1013,7 +1021,7 @@ static inline __attribute__((always_inline)) void tile_pv(const float* restrict 
      queries and the group, of a key's probability renormalised over context keys 0..protect-1, lo..hi-1 and
      the own keys.
    Scratch: keys_t [B, H, KB, D, 16] (the context keys, then the own ones, in transposed blocks of 16 each side,
-   KB = ceil(nc / 16) + ceil(n / 16)), work [threads, 16 * D + 16 * LS] (LS = 16 * KB + 16: a padded stride, so
+   KB = ceil(nc / 16) + ceil(n / 16)), work [threads, 32 * D + 16 * LS] (LS = 16 * KB + 16: a padded stride, so
    16 rows do not share cache sets) and slots: [B * H * G, W, LS] for the sums, [threads, B, H, hi - lo] for the
    maxima. A work item is 16 queries of one head: their logits against every key block they see, kept in `work`
    (no n x n matrix), a softmax, the statistic and the value sums. Sums go in waves of W query blocks (the last
@@ -1040,8 +1048,9 @@ void prompt_attention_f32(const float* q, const float* ck, const float* cv, cons
                 }
             }
         const int tid = omp_get_thread_num();
-        float* qt = work + tid * (16 * D + 16 * LS);
-        float* lg = qt + 16 * D;
+        float* qt = work + tid * (32 * D + 16 * LS);
+        float* acc = qt + 16 * D;
+        float* lg = acc + 16 * D;
         float* best = slots + tid * BH * S;
         if (S) {
             memset(best, 0, sizeof(float) * BH * S);
@@ -1105,16 +1114,12 @@ void prompt_attention_f32(const float* q, const float* ck, const float* cv, cons
                     }
                 }
                 if (out) {
+                    memset(acc, 0, sizeof(float) * 16 * D);
+                    if (nc) tile_values(lg, LS, cv + bh * nc * D, D, nc, acc);
+                    tile_values(lg + C0, LS, v + bh * n * D, D, t0 + R, acc);
                     float* o = out + (bhg * n + t0) * D;
-                    for (int64_t c = 0; c < D; c += 16) {
-                        v16f a[16], b2[16];
-                        tile_pv(lg + C0, LS, v + bh * n * D + c, D, t0 + R, a);
-                        if (nc) {
-                            tile_pv(lg, LS, cv + bh * nc * D + c, D, nc, b2);
-                            for (int r = 0; r < 16; r++) a[r] += b2[r];
-                        }
-                        for (int r = 0; r < R; r++) store16(o + r * D + c, a[r] * inv[r]);
-                    }
+                    for (int r = 0; r < R; r++)
+                        for (int64_t c = 0; c < D; c += 16) store16(o + r * D + c, load16(acc + r * D + c) * inv[r]);
                 }
             }
             if (S) continue;
@@ -1945,7 +1950,7 @@ def _prompt(q, k, v, scaling, context, protected, start, stop):
     out = None if v is None else torch.empty(b, hq, n, d, dtype=torch.float32)
     keys_t = torch.empty(b * h * blocks * d * 16, dtype=torch.float32)
     slots = torch.empty(threads * b * h * scored if scored else b * hq * wave * stride, dtype=torch.float32)
-    work = torch.empty(threads * (16 * d + 16 * stride), dtype=torch.float32)
+    work = torch.empty(threads * (32 * d + 16 * stride), dtype=torch.float32)
     if n:
         lib.prompt_attention_f32(q.data_ptr(), None if ck is None else ck.data_ptr(),
                                  None if cv is None else cv.data_ptr(), k.data_ptr(),
