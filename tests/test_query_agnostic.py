@@ -429,6 +429,26 @@ def test_criticalkv_scales_scores_by_the_projected_value_norm(monkeypatch, rows)
     assert torch.allclose(out[..., 2:], (scores[..., 2:] + 1e-4) * got[:1, :, 2:])
 
 
+def test_criticalkv_projected_norms_native_equal_torchs(monkeypatch):
+    """Float32 on a CPU with the group's outputs a multiple of 16: one native pass (16 tokens x 16 outputs a
+    tile, the last tile short), equal to the torch products to float rounding, per row of a batch."""
+    from kvcomp.kernels import cpu_native
+
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(3)
+    values, weight = torch.randn(2, 3, 37, 16, generator=gen), torch.randn(32, 3 * 2 * 16, generator=gen)
+    calls, kernel = [], cpu_native.projected_norms
+    monkeypatch.setattr(cpu_native, "projected_norms", lambda *a: calls.append(1) or kernel(*a))
+    native = projected_value_norm(values, weight)
+    assert calls
+    monkeypatch.setattr(cpu_native, "projected_norms", lambda *a: None)
+    torch.testing.assert_close(native, projected_value_norm(values, weight), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(cpu_native, "projected_norms", kernel)
+    assert torch.equal(projected_value_norm(values[1:], weight)[0], native[1])
+    assert cpu_native.projected_norms(values.double(), torch.randn(3, 16, 64).double(), 2) is None  # float64: torch
+
+
 def test_duo_attention_streaming_heads_stay_bounded_and_the_layer_keeps_its_budget(tiny):
     model, tokenizer = tiny
     duo = DuoAttention(scorer="knorm", compression_ratio=0.5, heads="alternating", n_sink=2, recent=8)

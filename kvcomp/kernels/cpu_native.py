@@ -46,6 +46,7 @@ SOURCE = r"""
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -1148,6 +1149,42 @@ void prompt_attention_f32(const float* q, const float* ck, const float* cv, cons
     }
 }
 
+/* CriticalKV's projected value norms: out[bh, t] = sum_o |sum_d v[bh, t, d] * w[h, d, o]| / G over the
+   O = G * hidden outputs of KV head h's query group (O % 16 == 0): v [BH, L, D], w [H, D, O], out [BH, L].
+   Sixteen tokens times sixteen outputs at a time, one register per token, the absolute values summed as they
+   come (the [L, O] product is never in memory). */
+void projected_norms_f32(const float* v, const float* w, float* out, int64_t B, int64_t H, int64_t L, int64_t D,
+                         int64_t O, int64_t G, int threads) {
+    const int64_t T = (L + 15) / 16;
+    #pragma omp parallel num_threads(threads)
+    {
+        float* vt = malloc(sizeof(float) * 16 * D);
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t bh = 0; bh < B * H; bh++)
+            for (int64_t tile = 0; tile < T; tile++) {
+                const int64_t t0 = tile * 16, R = L - t0 < 16 ? L - t0 : 16;
+                const float* wh = w + (bh % H) * D * O;
+                for (int r = 0; r < 16; r++)
+                    for (int64_t d = 0; d < D; d++) vt[r * D + d] = r < R ? v[(bh * L + t0 + r) * D + d] : 0.0f;
+                v16f sums[16];
+                for (int r = 0; r < 16; r++) sums[r] = (v16f){0};
+                for (int64_t o = 0; o < O; o += 16) {
+                    v16f a[16];
+                    for (int r = 0; r < 16; r++) a[r] = (v16f){0};
+                    for (int64_t d = 0; d < D; d++) {
+                        const v16f wv = load16(wh + d * O + o);
+#pragma GCC unroll 16
+                        for (int r = 0; r < 16; r++) a[r] += vt[r * D + d] * wv;
+                    }
+                    for (int r = 0; r < 16; r++) sums[r] += (v16f)((v16i)a[r] & 0x7fffffff);
+                }
+                const v16f total = hsum16x16(sums) * (1.0f / (float)G);
+                for (int r = 0; r < R; r++) out[bh * L + t0 + r] = total[r];
+            }
+        free(vt);
+    }
+}
+
 /* Quest's page bound maximized over each KV head's query group: out[bh, p] = max over g of
    sum_d max(q[bh, g, d] * hi[bh, p, d], q[bh, g, d] * lo[bh, p, d]); q [BH, G, D], hi and lo [BH, P, D]. */
 void page_scores_f32(const float* q, const float* hi, const float* lo, float* out, int64_t BH, int64_t G,
@@ -1521,6 +1558,9 @@ def _compile() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_int64] * 7 + [ctypes.c_float] + [ctypes.c_int64] * 3
                    + [ctypes.c_int])
+    fn = lib.projected_norms_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_int]
     fn = lib.gather_tokens
     fn.restype = ctypes.c_int64
     fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 4
@@ -1958,6 +1998,29 @@ def _prompt(q, k, v, scaling, context, protected, start, stop):
                                  stat.data_ptr(), keys_t.data_ptr(), slots.data_ptr(), work.data_ptr(), b, h, hq // h,
                                  nc, n, d, max(1, wave), float(scaling), protected, start, stop, threads)
     return stat, out
+
+
+def projected_norms(values: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor | None:
+    """CriticalKV's ``||v W_o[h_q]||_1`` averaged over each KV head's ``groups`` query heads
+    (:func:`compressors.criticalkv.projected_value_norm`), in one pass without the ``[L, G * hidden]`` product in
+    memory: ``values`` ``[B, H_kv, L, D]``, ``weight`` ``[H_kv, D, G * hidden]`` (the group's output-projection
+    slices side by side) -> ``[B, H_kv, L]`` float32; None (nothing computed) unless both are float32 CPU tensors,
+    ``G * hidden`` a multiple of 16, and the kernel is on."""
+    h, d, outputs = weight.shape
+    if not (enabled() and values.device.type == weight.device.type == "cpu" and outputs % 16 == 0
+            and values.dtype == weight.dtype == torch.float32 and values.shape[1] == h and values.shape[3] == d):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    b, _, length, _ = values.shape
+    values, weight = values.contiguous(), weight.contiguous()
+    out = torch.empty(b, h, length, dtype=torch.float32)
+    tiles = b * h * -(-length // 16)
+    if tiles:
+        lib.projected_norms_f32(values.data_ptr(), weight.data_ptr(), out.data_ptr(), b, h, length, d, outputs,
+                                groups, max(1, min(torch.get_num_threads(), tiles)))
+    return out
 
 
 def supports_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
