@@ -449,20 +449,26 @@ def test_native_decode_attention_matches_reference_on_store_views(length, rows, 
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
 
 
+def _same_alone_on_one_thread(kernel, *tensors) -> None:
+    """``kernel(*tensors, 0.125)`` (a pair of results) on a batch of 3 with 2 threads, then on row 1 alone with
+    1 thread: row 1's results equal bit for bit."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = kernel(*tensors, 0.125)
+        torch.set_num_threads(1)
+        alone = kernel(*(t[1:2] for t in tensors), 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch[0][1:2], alone[0]) and torch.equal(batch[1][1:2], alone[1])
+
+
 def test_native_decode_attention_row_is_the_same_alone_in_a_batch_and_on_any_thread_count():
     """Bit for bit: its work items (KV head x 256-token chunk) do not depend on the batch or the threads."""
     if cpu_native.load() is None:
         pytest.skip("no C compiler")
     k, v, qg = randn(3, 3, 700, 64, seed=44).cpu(), randn(3, 3, 700, 64, seed=45).cpu(), randn(3, 3, 3, 64, seed=46).cpu()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        batch = cpu_native.decode_attention(qg, k, v, 0.125)
-        torch.set_num_threads(1)
-        alone = cpu_native.decode_attention(qg[1:2], k[1:2], v[1:2], 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(batch[0][1:2], alone[0]) and torch.equal(batch[1][1:2], alone[1])
+    _same_alone_on_one_thread(cpu_native.decode_attention, qg, k, v)
 
 
 def _prompt_reference(q, k, v, scaling):
@@ -523,15 +529,7 @@ def test_native_prompt_attention_is_the_same_alone_in_a_batch_and_on_any_thread_
     if cpu_native.load() is None:
         pytest.skip("no C compiler")
     q, k, v = randn(3, 6, 200, 64, seed=63).cpu(), randn(3, 2, 200, 64, seed=64).cpu(), randn(3, 2, 200, 64, seed=65).cpu()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        batch = cpu_native.prompt_attention(q, k, v, 0.125)
-        torch.set_num_threads(1)
-        alone = cpu_native.prompt_attention(q[1:2], k[1:2], v[1:2], 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(batch[0][1:2], alone[0]) and torch.equal(batch[1][1:2], alone[1])
+    _same_alone_on_one_thread(cpu_native.prompt_attention, q, k, v)
     assert not cpu_native.supports_prompt(q[..., :8], k[..., :8], v[..., :8])  # not whole vectors: torch
     assert not cpu_native.supports_prompt(q.bfloat16(), k.bfloat16(), v.bfloat16())
 
