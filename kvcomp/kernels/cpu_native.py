@@ -8,6 +8,14 @@ query group sharing every byte read (logits of all query rows, one softmax, then
 point, :func:`quant_key_logits`, gives the logits of every quantized key alone (SpeCache scores its low-bit copy
 with them and hands them back to :func:`quant_attention`, which then skips the key codes).
 
+The same library holds kvcomp's other native CPU paths, each used only where its ``supports_*`` check (or a None
+return) says the inputs qualify: float decode attention (:func:`decode_attention`), KVTC's attention over its
+live codes (:func:`kvtc_attention`), a prompt's causal attention with H2O's received attention or KVzip's
+reconstruction score (:func:`prompt_attention`, :func:`reconstruction_attention`), CriticalKV's projected value
+norms (:func:`projected_norms`), FreeKV's page bounds and speculation check (:func:`page_scores`,
+:func:`speculation_check`), top-k (:func:`top_ascending`), in-place eviction (:func:`evict_lowest`), the tiers'
+reads and writes (:func:`gather_tokens`, :func:`pwrite_tokens`) and a one-row linear layer (:func:`linear`).
+
 It is compiled with the system C compiler (``$CC``, default ``cc``) into ``$KVCOMP_CACHE/kernels`` the first
 time it is needed (about a second) and loaded with ctypes. Float32 CPU tensors only; anything else, no
 compiler, or ``KVCOMP_NATIVE=0`` falls back to :func:`kvcomp.kernels.quant_cpu.quant_attention`. Same
