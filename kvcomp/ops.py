@@ -207,14 +207,15 @@ def received_attention(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, q_
     b, hq, n, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
+    prompt = spec.plain and spec.window is None and n == length and bool(q_real.all()) and bool(
+        (k_pos == q_pos.view(b, 1, n)).all())
+    from kvcomp.kernels import cpu_native  # (kvcomp.files, which it imports, imports this module)
+
+    if prompt and cpu_native.supports_prompt(q, k, v):  # one pass, the probabilities never whole: ~1.8x sdpa's speed
+        return cpu_native.prompt_attention(q, k, v, spec.scaling)
     received = torch.zeros(b, hkv, length, dtype=torch.float32, device=q.device)
     out = None if v is None else torch.empty(b, hkv, g, n, d, dtype=v.dtype, device=q.device)
-    if spec.plain and spec.window is None and n == length and bool(q_real.all()) and bool(
-            (k_pos == q_pos.view(b, 1, n)).all()):
-        from kvcomp.kernels import cpu_native  # (kvcomp.files, which it imports, imports this module)
-
-        if cpu_native.supports_prompt(q, k, v):  # one pass, the probabilities never whole: ~1.8x sdpa's speed
-            return cpu_native.prompt_attention(q, k, v, spec.scaling)
+    if prompt:
         _causal_prompt_received(q, k, v, q_pos, k_pos, spec.scaling, received, out)
     else:
         weights = q_real.float()
