@@ -37,8 +37,10 @@ the model: :meth:`KVTC.basis_bytes` reports it once, and it is not in ``nbytes()
 
 Decoding. :meth:`KVTC.attend` never materializes the whole reconstructed cache. On the CPU in float32 it
 calls the fused C kernel :func:`kvcomp.kernels.cpu_native.kvtc_attention` (one pass over the packed codes:
-each visible key rebuilt once for its query group, four at a time at head dim 64, the probabilities applied
-to the value codes and projected once). Elsewhere ``_DECODE_TOKENS`` (1024) coded tokens at a time are unpacked (one table gather per width) and turned into floats: keys by one batched
+each visible key rebuilt once for its query group, four at a time, in exact int32 sums of the codes times the
+key basis moved onto an int16 grid where the CPU has AVX-512 VNNI (32 multiply-adds an instruction against 16
+in float; the grid moves an entry by at most 1/65534 of its channel's largest, and every path, torch's
+included, uses the same grid basis), the probabilities applied to the value codes and projected once). Elsewhere ``_DECODE_TOKENS`` (1024) coded tokens at a time are unpacked (one table gather per width) and turned into floats: keys by one batched
 matmul of the codes with the basis (dequantization folded in, ``codes @ weight + offset``) and RoPE from a
 cos/sin table indexed by position; values stay coefficients, the online softmax applies its probabilities to
 them and projects the ``[B, H_kv, G * n, S]`` result once (cheap for a few queries, instead of reconstructing
@@ -178,7 +180,9 @@ class KVTC(Compressor):
         for dropped components) on ``device`` and bits ``[H, 2, D]`` (CPU); for decoding, ``key_weight`` and
         ``value_weight`` ``[H, S, D]`` and ``key_offset``, ``value_offset`` ``[H, D]`` (contiguous: the C kernel
         reads them) with ``codes @ weight + offset`` the reconstruction of the ``S`` stored codes in
-        :func:`kvcomp.transform_coding.coding_order` (dequantization folded in), the
+        :func:`kvcomp.transform_coding.coding_order` (dequantization folded in; keys coded without RoPE:
+        ``key_weight`` on an int16 grid and ``key_int`` its integers and scales for the C kernel's integer
+        rebuild, :func:`kvcomp.transform_coding.int16_grid`; None for keys coded after RoPE), the
         :func:`kvcomp.transform_coding.block_segments` of each KV head's blocks (the stored form), the live
         layout (``live``: each KV head's ``(width, components)`` per kind; ``widths``: bytes per token of keys
         and values; ``orders``: each KV head's coding order per kind) and ``counts`` ``[H, 2, 3]``
@@ -197,6 +201,10 @@ class KVTC(Compressor):
             for h, kind in np.ndindex(*bits.shape[:2]):
                 order = torch.from_numpy(orders[h][kind])
                 weight[h, kind, : len(order)] = scaled[h, kind, order]
+            key_int = None  # rebuilt keys: the basis on an int16 grid, for the C kernel's integer sums
+            if not self.post_rope:
+                grid, pairs, scale = tc.int16_grid(weight[:, 0])
+                weight[:, 0], key_int = grid, (pairs, scale)
             live = tc.live_segments(bits.numpy())  # [H][kind] -> (width, components) of the live codes
             widths = tuple(max(tc.live_width(head[kind]) for head in live) for kind in range(2))
             self._codecs[key] = dict(basis=cal.basis[layer].to(device), mean=cal.mean[layer].to(device),
@@ -208,16 +216,26 @@ class KVTC(Compressor):
                                      key_weight=weight[:, 0].contiguous().to(device),
                                      key_offset=offset[:, 0].contiguous().to(device),
                                      value_weight=weight[:, 1].contiguous().to(device),
-                                     value_offset=offset[:, 1].contiguous().to(device))
+                                     value_offset=offset[:, 1].contiguous().to(device), key_int=key_int)
         return self._codecs[key]
 
     def rope_table(self, length: int, device: torch.device | str):
         """cos, sin ``[>= length, D]`` float32 by position (grown by doubling, shared by all layers)."""
+        return self._rope(length, device)[:2]
+
+    def rope_half_table(self, length: int, device: torch.device | str):
+        """The first halves of :meth:`rope_table` (rotate-half's two halves are equal): what the C kernel
+        reads for each rebuilt key, half the bytes."""
+        return self._rope(length, device)[2:]
+
+    def _rope(self, length: int, device: torch.device | str):
         key = ("rope", str(device))
         if key not in self._codecs or self._codecs[key][0].shape[0] < length:
             size = max(4096, 1 << (length - 1).bit_length())
             inv_freq = self.calibration.inv_freq.to(device)
-            self._codecs[key] = tc.rope_table(size, inv_freq, self.calibration.attention_scaling)
+            cos, sin = tc.rope_table(size, inv_freq, self.calibration.attention_scaling)
+            half = cos.shape[-1] // 2
+            self._codecs[key] = (cos, sin, cos[:, :half].contiguous(), sin[:, :half].contiguous())
         return self._codecs[key]
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -406,7 +424,7 @@ class KVTC(Compressor):
         applied to their codes and projected once."""
         if state.blocks is not None:
             raise CompressorError("this KVTC state is in its stored form; KVTC.restored() makes it attendable.")
-        cos, sin = (None, None) if self.post_rope else self.rope_table(state.last_position + 1, q.device)
+        cos, sin = (None, None) if self.post_rope else self.rope_half_table(state.last_position + 1, q.device)
         residual = [torch.cat([a, b], dim=2) for a, b in zip(
             (state.sinks.keys, state.sinks.values, state.sinks.positions),
             (state.window.keys, state.window.values, state.window.positions))]
@@ -414,7 +432,7 @@ class KVTC(Compressor):
         return cpu_native.kvtc_attention(
             q, ctx.query_positions, state.key_codes, state.value_codes, state.positions, codec["counts"],
             codec["key_weight"], codec["key_offset"], codec["value_weight"], codec["value_offset"], cos, sin,
-            *residual, spec.scaling, spec.window, spec.softcap, spec.sinks).to(q.dtype)
+            *residual, spec.scaling, spec.window, spec.softcap, spec.sinks, int_keys=codec["key_int"]).to(q.dtype)
 
     def checkpoint(self, state: KVTCState) -> KVTCState:
         """A shallow copy: appending never writes into a state's tensors (the window and the live codes are

@@ -347,6 +347,24 @@ def unpack_live(packed: torch.Tensor, segments: list[tuple[int, int]], stored: i
     return out
 
 
+def int16_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A reconstruction basis ``[H, S, D]`` (codes @ basis) moved onto an int16 grid per KV head and channel:
+    ``(grid, pairs, scale)`` with ``grid[h, s, d] == scale[h, d] * pairs[h, s // 2, d, s % 2]`` (float32; each entry
+    moves by at most 1/65534 of its channel's largest, far below the quantization step), ``pairs``
+    ``[H, ceil(S / 2), D, 2]`` int16 (each channel's two components side by side, zero past S) and ``scale``
+    ``[H, D]``. A sum of S codes (< 255) times the integers fits int32 exactly, so a kernel may rebuild keys as
+    ``scale * (codes @ integers)`` and get ``codes @ grid`` to float rounding."""
+    h, s, d = weight.shape
+    top = min(32767, (2**31 - 1) // (254 * max(s, 1)))
+    largest = weight.abs().amax(1)  # [H, D]
+    scale = torch.where(largest > 0, largest / top, torch.ones_like(largest)).float()
+    ints = torch.round(weight.float() / scale[:, None]).clamp(-top, top)
+    padded = torch.zeros(h, -(-s // 2) * 2, d)
+    padded[:, :s] = ints
+    pairs = padded.view(h, -1, 2, d).transpose(2, 3).to(torch.int16).contiguous()
+    return (ints * scale[:, None]).to(weight.device), pairs, scale
+
+
 # -- attention -----------------------------------------------------------------------------------------------
 class OnlineSoftmax:
     """Attention of ``q`` ``[B, H_q, n, D]`` (positions ``q_pos`` ``[B, n]``) accumulated over blocks of K/V

@@ -2,6 +2,7 @@
 composition, errors and the calibrate command. Fast tier on the tiny random Llama (calibrated once here)."""
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -749,19 +750,23 @@ def test_post_rope_keys_are_never_rotated(tiny, artifacts, monkeypatch):
         assert float((logits - full).abs().max() / full.abs().max()) < 0.08
 
 
+@pytest.mark.parametrize("int_keys", [False, True])
 @pytest.mark.parametrize("head_dim,rotary", [(64, 64), (64, 32), (48, 48), (64, 0), (48, 0), (40, 0), (40, 40)])
-def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary):
+def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary, int_keys):
     """The C kernel on random live codes (the 4-token key path at head_dim 64, the general one otherwise; a
     partial rotary embedding; keys coded after RoPE, ``rotary`` 0: no cos/sin, the queries projected on the
-    key basis; holes; a length that is not a multiple of 4; head_dim 40: components padded to whole vectors of 16)
-    against the keys and values rebuilt in torch and dense attention over them."""
+    key basis; holes; a length that is not a multiple of 4; head_dim 40: components padded to whole vectors of 16;
+    an odd number of key components) against the keys and values rebuilt in torch and dense attention over them.
+    ``int_keys``: the key basis on an int16 grid, keys rebuilt in int32 sums (head_dim 64 and 48: 64 and 48
+    channels a block; head_dim 40 and keys after RoPE: the float path, which must then agree as well)."""
     from kvcomp.kernels import cpu_native
 
     if not cpu_native.supports_kvtc(torch.zeros(1)):
         pytest.skip("the native CPU kernel is unavailable")
     g = torch.Generator().manual_seed(head_dim + rotary)
     b, h, length, n_res, group = 2, 2, 203, 9, 3
-    bits = np.array([[[2] * 7 + [4] * 9 + [8] * (head_dim - 16)] * 2, [[4] * 4 + [8] * (head_dim - 4), [8] * head_dim]])
+    bits = np.array([[[2] * 7 + [4] * 9 + [8] * (head_dim - 17) + [0], [2] * 7 + [4] * 9 + [8] * (head_dim - 16)],
+                     [[4] * 4 + [8] * (head_dim - 4), [8] * head_dim]])
     segments = tc.live_segments(bits)
     widths = [max(tc.live_width(head[kind]) for head in segments) for kind in range(2)]
     levels = tc.max_level(torch.from_numpy(bits))
@@ -772,9 +777,14 @@ def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary)
     positions = torch.arange(length, dtype=torch.int32).expand(b, h, length).clone()
     positions[1, 0, 40:80] = SENTINEL  # a hole
     weight = torch.randn(h, 2, head_dim, head_dim, generator=g) * 0.01  # keys of order 1 to 10
+    key_int = None
+    if int_keys:
+        grid, pairs, scale = tc.int16_grid(weight[:, 0])
+        weight[:, 0], key_int = grid, (pairs, scale)
     offset = torch.randn(h, 2, head_dim, generator=g)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary, 2).float() / max(rotary, 1))
     cos, sin = tc.rope_table(512, inv_freq) if rotary else (None, None)
+    halves = [t[:, : rotary // 2].contiguous() for t in (cos, sin)] if rotary else (None, None)
     res_pos = torch.arange(length, length + n_res, dtype=torch.int32).expand(b, h, n_res).contiguous()
     res_k, res_v = (torch.randn(b, h, n_res, head_dim, generator=g) for _ in range(2))
     q = torch.randn(b, h * group, 2, head_dim, generator=g)
@@ -783,7 +793,7 @@ def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary)
     spec = AttentionSpec(head_dim ** -0.5, window=150)
     out = cpu_native.kvtc_attention(q, q_pos, packed[0], packed[1], positions, counts, weight[:, 0].contiguous(),
                                     offset[:, 0].contiguous(), weight[:, 1].contiguous(), offset[:, 1].contiguous(),
-                                    cos, sin, res_k, res_v, res_pos, spec.scaling, spec.window)
+                                    *halves, res_k, res_v, res_pos, spec.scaling, spec.window, int_keys=key_int)
     index = positions.long().masked_fill(positions >= SENTINEL, 0)
     keys = torch.matmul(codes[0].float(), weight[:, 0]) + offset[:, 0, None]
     if rotary:
@@ -792,3 +802,42 @@ def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary)
     expected, _ = dense_attention(q, torch.cat([keys, res_k], 2), torch.cat([values, res_v], 2), q_pos,
                                   torch.cat([positions, res_pos], 2), spec)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("components", [64, 7, 300])
+def test_int16_grid_moves_the_basis_by_a_fraction_of_each_channels_largest_entry(components):
+    """The grid reconstructs its integers exactly (``grid == scale * integers``), moves no entry by more than half
+    a grid step (1/65534 of its channel's largest, or a coarser step where S x 254 x 32767 would overflow int32:
+    300 components), keeps each channel's largest entry, zero-pads an odd S, and bounds any code sum in int32."""
+    g = torch.Generator().manual_seed(components)
+    weight = torch.randn(2, components, 48, generator=g) * torch.logspace(0, -3, components)[:, None]
+    weight[1, :, 5] = 0.0  # a channel no component touches
+    grid, pairs, scale = tc.int16_grid(weight)
+    assert pairs.dtype == torch.int16 and pairs.shape == (2, -(-components // 2), 48, 2)
+    ints = pairs.transpose(2, 3).reshape(2, -1, 48)[:, :components].float()
+    assert bool((pairs.transpose(2, 3).reshape(2, -1, 48)[:, components:] == 0).all())
+    torch.testing.assert_close(grid, ints * scale[:, None], rtol=0, atol=0)
+    largest = weight.abs().amax(1)
+    top = min(32767, (2**31 - 1) // (254 * components))
+    assert bool(((grid - weight).abs() <= largest[:, None] * (0.5 / top + 1e-6)).all())  # (+ float rounding)
+    assert int(ints.abs().max()) == top and 254 * components * top < 2**31
+    assert bool((grid[1, :, 5] == 0).all())
+
+
+def test_keys_are_rebuilt_in_integers_where_the_cpu_has_vnni(tiny, artifact):
+    """On a CPU with AVX-512 VNNI the kernel is built with the integer key rebuild, and KVTC hands it the int16
+    basis its float basis lies on (keys coded after RoPE are never rebuilt: no integers)."""
+    from kvcomp.kernels import cpu_native
+
+    if cpu_native.load() is None:
+        pytest.skip("the native CPU kernel is unavailable")
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    if {"avx512_vnni", "avx512bw"} <= flags:
+        assert cpu_native.int_keys()
+    model, _ = tiny
+    compressor = KVTC(artifact=artifact)
+    compressor.bind(model)
+    codec = compressor.codec(0, torch.float32)
+    pairs, scale = codec["key_int"]
+    ints = pairs.transpose(2, 3).reshape(pairs.shape[0], -1, pairs.shape[2])[:, :codec["key_weight"].shape[1]]
+    torch.testing.assert_close(codec["key_weight"], ints.float() * scale[:, None], rtol=0, atol=0)

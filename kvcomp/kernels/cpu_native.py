@@ -599,8 +599,28 @@ static inline int64_t unpack_live(const uint8_t* restrict p, const int64_t* rest
     for (; j + 5 <= n3; j += 5, p++) memcpy(o + j, lut3 + 5 * *p, 5 * sizeof(float));
     if (j < n3) memcpy(o + j, lut3 + 5 * *p++, sizeof(float) * (n3 - j));
     o += n3;
+#if defined(__AVX512BW__)
+    /* 16 bytes at a time: byte = lo + 15 hi, hi = (byte * 137) >> 11 (exact below 256), the digits interleaved
+       lo, hi as floats, exactly n15 of them stored. */
+    for (j = 0; 2 * j < n15; j += 16) {
+        const int64_t left = n15 - 2 * j, bytes = (left + 1) / 2;
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes >= 16 ? 0xffff : (1u << bytes) - 1, p + j));
+        const __m512i hi = _mm512_srli_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32(137)), 11);
+        const __m512 lo_f = _mm512_cvtepi32_ps(_mm512_sub_epi32(x, _mm512_mullo_epi32(hi, _mm512_set1_epi32(15))));
+        const __m512 hi_f = _mm512_cvtepi32_ps(hi);
+        const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+        _mm512_mask_storeu_ps(o + 2 * j, left >= 16 ? 0xffff : (1u << left) - 1,
+                              _mm512_permutex2var_ps(lo_f, first, hi_f));
+        if (left > 16)
+            _mm512_mask_storeu_ps(o + 2 * j + 16, left >= 32 ? 0xffff : (1u << (left - 16)) - 1,
+                                  _mm512_permutex2var_ps(lo_f, second, hi_f));
+    }
+    p += (n15 + 1) / 2;
+#else
     for (j = 0; j + 2 <= n15; j += 2, p++) memcpy(o + j, lut15 + 2 * *p, 2 * sizeof(float));
     if (j < n15) o[j] = lut15[2 * *p++];
+#endif
     o += n15;
     for (j = 0; j + 16 <= n8; j += 16) store16(o + j, __builtin_convertvector(widen16(p + j), v16f));
     for (; j < n8; j++) o[j] = p[j];
@@ -642,20 +662,52 @@ static void values_tile_any(float* restrict acc, int64_t QS, const float* restri
     }
 }
 
-/* kr = RoPE of k (D channels, the first RD rotated: rotate-half with this position's cos, sin [RD]). */
+/* r[i] = the sum of the 16 lanes of a[i], for 16 vectors at once (a transposing tree: 15 adds and 30 shuffles
+   where 16 separate horizontal sums take about 100 operations). */
+#define SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+static inline v16f hsum16x16(const v16f* restrict a) {
+    v16f c[8], d[4], e[2];
+    for (int j = 0; j < 8; j++)
+        c[j] = SHUF(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUF(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)
+        d[j] = SHUF(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SHUF(c[2 * j], c[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        e[j] = SHUF(d[2 * j], d[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SHUF(d[2 * j], d[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUF(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#undef SHUF
+
+/* D = 64: the scaled logits of 16 consecutive keys (64 floats apart) for one query row, into out[0..15]. */
+static inline void logits16_d64(const float* restrict qm, const float* restrict kr, float scaling,
+                                float* restrict out) {
+    const v16f q0 = load16(qm), q1 = load16(qm + 16), q2 = load16(qm + 32), q3 = load16(qm + 48);
+    v16f a[16];
+    for (int i = 0; i < 16; i++) {
+        const float* kt = kr + 64 * i;
+        a[i] = load16(kt) * q0 + load16(kt + 16) * q1 + load16(kt + 32) * q2 + load16(kt + 48) * q3;
+    }
+    store16(out, hsum16x16(a) * scaling);
+}
+
+/* kr = RoPE of k (D channels, the first RD rotated: rotate-half with this position's cos, sin [RD / 2], the
+   halves of the rotate-half table being equal). */
 static inline void rotate_key(float* restrict kr, const float* restrict k, const float* restrict cs,
                               const float* restrict sn, int64_t RD, int64_t D) {
     const int64_t half = RD / 2;
     if (RD == 64 && D == 64) {
         for (int i = 0; i < 32; i++) {
             kr[i] = k[i] * cs[i] - k[i + 32] * sn[i];
-            kr[i + 32] = k[i + 32] * cs[i + 32] + k[i] * sn[i + 32];
+            kr[i + 32] = k[i + 32] * cs[i] + k[i] * sn[i];
         }
         return;
     }
     for (int64_t i = 0; i < half; i++) {
         kr[i] = k[i] * cs[i] - k[i + half] * sn[i];
-        kr[i + half] = k[i + half] * cs[i + half] + k[i] * sn[i + half];
+        kr[i + half] = k[i + half] * cs[i] + k[i] * sn[i];
     }
     for (int64_t i = RD; i < D; i++) kr[i] = k[i];
 }
@@ -681,17 +733,101 @@ static void keys4_d64(const float* restrict c, int64_t S, int64_t ns, const floa
         for (int u = 0; u < 4; u++) store16(k + 64 * j + 16 * u, a[j][u]);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KVTC_INT_KEYS 1
+/* unpack_live as int16 codes (lut3: a byte's ternary digits as int16), for keys rebuilt in integers. */
+static inline int64_t unpack_live_i16(const uint8_t* restrict p, const int64_t* restrict cnt,
+                                      const int16_t* restrict lut3, int16_t* restrict o) {
+    const int64_t n3 = cnt[0], n15 = cnt[1], n8 = cnt[2];
+    int64_t j = 0;
+    for (; j + 5 <= n3; j += 5, p++) memcpy(o + j, lut3 + 5 * *p, 5 * sizeof(int16_t));
+    if (j < n3) memcpy(o + j, lut3 + 5 * *p++, sizeof(int16_t) * (n3 - j));
+    o += n3;
+    /* 15-level codes, byte = lo + 15 hi, 16 bytes at a time: hi = (byte * 137) >> 11 (exact below 256), each
+       int32 lane lo | hi << 16, the two int16 in order (an odd count's last hi is the packing's zero, written
+       over by what follows or by the pad below). */
+    for (j = 0; j < (n15 + 1) / 2; j += 16) {
+        const int64_t left = (n15 + 1) / 2 - j;
+        const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p + j));
+        const __m512i hi = _mm512_srli_epi32(_mm512_mullo_epi32(x, _mm512_set1_epi32(137)), 11);
+        const __m512i lo = _mm512_sub_epi32(x, _mm512_mullo_epi32(hi, _mm512_set1_epi32(15)));
+        _mm512_mask_storeu_epi32(o + 2 * j, m, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    p += (n15 + 1) / 2;
+    o += n15;
+    for (j = 0; j + 16 <= n8; j += 16)
+        _mm256_storeu_si256((__m256i*)(o + j), _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p + j))));
+    for (; j < n8; j++) o[j] = p[j];
+    if ((n3 + n15 + n8) & 1) o[n8] = 0;  /* an odd count's last pair is completed by a zero code */
+    return n3 + n15 + n8;
+}
+
+/* acc += the pairwise int16 products of x and w summed per int32 lane (vpdpwssd). In asm: gcc 12 copies every
+   accumulator of the intrinsic's tied operand to another register and back each time (and spills one). */
+static inline __m512i dpwssd(__m512i acc, __m512i x, __m512i w) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+    return acc;
+}
+
+/* Channels d0 .. d0 + 16 NU of four keys rebuilt in integers: k[j] = o + sc * sum_s c[j * cs + s] * w16[s]
+   over np pairs of components, w16 [np][D][2] (each channel's two components side by side, the layout of
+   vpdpwssd: 32 products an instruction where a float FMA does 16), summed exactly in int32. */
+static inline __attribute__((always_inline)) void keys4_i16_block(
+        const int16_t* restrict c, int64_t cs, int64_t np, const int16_t* restrict w, const float* restrict sc,
+        const float* restrict o, float* restrict k, int64_t D, int64_t d0, const int NU) {
+    __m512i a[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int u = 0; u < NU; u++) a[j][u] = _mm512_setzero_si512();
+    for (int64_t p = 0; p < np; p++) {
+        __m512i ws[4];
+        for (int u = 0; u < NU; u++) ws[u] = _mm512_loadu_si512(w + 2 * (p * D + d0 + 16 * u));
+        for (int j = 0; j < 4; j++) {
+            int32_t pair;
+            memcpy(&pair, c + j * cs + 2 * p, sizeof pair);
+            const __m512i x = _mm512_set1_epi32(pair);
+            for (int u = 0; u < NU; u++) a[j][u] = dpwssd(a[j][u], x, ws[u]);
+        }
+    }
+    for (int u = 0; u < NU; u++) {
+        const v16f ou = load16(o + d0 + 16 * u), su = load16(sc + d0 + 16 * u);
+        for (int j = 0; j < 4; j++) store16(k + j * D + d0 + 16 * u, ou + su * (v16f)_mm512_cvtepi32_ps(a[j][u]));
+    }
+}
+
+/* Four keys (D % 16 == 0) from their int16 codes: keys4_i16_block over every 64 channels, then the rest. */
+static void keys4_i16(const int16_t* restrict c, int64_t cs, int64_t np, const int16_t* restrict w,
+                      const float* restrict sc, const float* restrict o, float* restrict k, int64_t D) {
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) keys4_i16_block(c, cs, np, w, sc, o, k, D, d0, 4);
+    switch ((D - d0) / 16) {
+        case 3: keys4_i16_block(c, cs, np, w, sc, o, k, D, d0, 3); break;
+        case 2: keys4_i16_block(c, cs, np, w, sc, o, k, D, d0, 2); break;
+        case 1: keys4_i16_block(c, cs, np, w, sc, o, k, D, d0, 1); break;
+        default: break;
+    }
+}
+#else
+#define KVTC_INT_KEYS 0
+#endif
+
+/* Whether kvtc_attention_f32 rebuilds keys in integers when given an int16 basis (AVX-512 VNNI compiled in). */
+int kvtc_int_keys(void) { return KVTC_INT_KEYS; }
+
 /* KVTC decode attention over live codes. q [BH, M, D] (row m: query m % n); qpos [B, n]; kc [BH, L, Wk],
    vc [BH, L, Wv] packed codes; pos [BH, L] (>= P: a hole); cnt [H, 2, 3] components per width of each KV head's
    keys and values; wk, wv [H, S, D] and ok, ov [H, D]: a key is RoPE(codes @ wk + ok), a value codes @ wv + ov;
-   cos_t, sin_t [P, RD] by position (RD rotary channels); rk, rv [BH, R, D], rpos [BH, R]: full-precision sinks and
-   window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, 16 * Sp + 5 * D]; partial
+   cos_t, sin_t [P, RD / 2] by position (RD rotary channels; the first half of rotate-half's table); rk, rv [BH, R, D], rpos [BH, R]: full-precision sinks and
+   window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, 16 * Sp + 32 * D]; partial
    [BH * chunks, M, Sp + 1] (Sp: S rounded up to a multiple of 16, the components past a head's count zero).
    Keys: each coded token's key is rebuilt once (unpack, S x D multiply-adds, rotation) and shared by the group's
    M rows; or, given qk [BH * chunks, M, Sp + 1] (keys coded after RoPE), each chunk first projects its queries,
    qk[m, s] = wk[s] . q[m] and qk[m, Sp] = ok . q[m], and a logit is qk[m, Sp] + codes . qk[m] (Sp multiply-adds,
-   nothing rebuilt or rotated), sixteen tokens unpacked at a time. Values: the probabilities are applied to the codes and projected once per row at
-   the end. */
+   nothing rebuilt or rotated), sixteen tokens unpacked at a time. Given wk16 [H, ceil(S / 2), D, 2] int16 and ks
+   [H, D] with wk[h, s, d] = ks[h, d] * wk16[h, s / 2, d, s % 2] (the basis on an int16 grid, D % 16 == 0), keys
+   are rebuilt from int16 codes (lut3i: the ternary digits as int16) in exact int32 sums where VNNI is compiled in (twice the
+   multiply-adds an instruction), else from wk as floats: the same keys to float rounding. Values: the
+   probabilities are applied to the codes and projected once per row at the end. */
 void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const uint8_t* vc,
                         const int32_t* pos, const int64_t* cnt, const float* wk, const float* ok, const float* wv,
                         const float* ov, const float* cos_t, const float* sin_t, const float* lut3,
@@ -699,9 +835,10 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                         float* logits, float* work, float* partial, int64_t B, int64_t H, int64_t M, int64_t n,
                         int64_t L, int64_t R, int64_t D, int64_t S, int64_t RD, int64_t P, int64_t Wk, int64_t Wv,
                         int64_t chunks, float scaling, int threads, int64_t window, float softcap,
-                        const float* sinks, float* qk) {
+                        const float* sinks, float* qk, const int16_t* wk16, const float* ks,
+                        const int16_t* lut3i) {
     const int64_t BH = B * H, T = L + R, per_chunk = (L + chunks - 1) / chunks;
-    const int64_t Sp = (S + 15) / 16 * 16, QS = Sp + 1, WS = 16 * Sp + 5 * D;  /* padded components, strides */
+    const int64_t Sp = (S + 15) / 16 * 16, QS = Sp + 1, WS = 16 * Sp + 32 * D;  /* padded components, strides */
     int64_t first[BH > 0 ? BH : 1];
     #pragma omp parallel num_threads(threads)
     {
@@ -711,9 +848,9 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
             for (int64_t chunk = 0; chunk < chunks; chunk++) {
                 const int64_t h = bh % H, *qp = qpos + (bh / H) * n;
                 const float *w = wk + h * S * D, *o = ok + h * D;
-                float *c = work + (bh * chunks + chunk) * WS, *k = c + 16 * Sp, *kr = k + 4 * D;
+                float *c = work + (bh * chunks + chunk) * WS, *k = c + 16 * Sp, *kr = k + 16 * D;
                 float* lg = logits + bh * M * T;
-                int64_t hi[M > 0 ? M : 1], lo[M > 0 ? M : 1], batch[4], nb = 0;
+                int64_t hi[M > 0 ? M : 1], lo[M > 0 ? M : 1];
                 for (int64_t m = 0; m < M; m++) {
                     const int blind = first[bh] > qp[m % n];  /* sees no key: sees every slot */
                     hi[m] = blind ? INT64_MAX : qp[m % n];
@@ -749,9 +886,15 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                     }
                     continue;
                 }
-                int64_t ns = 0;
-                for (int64_t t = chunk * per_chunk; t <= t_end; t++) {
-                    if (t < t_end) {
+                /* Keys without RoPE: up to 16 seen tokens at a time, each key rebuilt once for the group's rows
+                   (four at a time), rotated, then each row's logits of the 16 reduced together. */
+#if KVTC_INT_KEYS
+                int16_t* c16 = wk16 && D % 16 == 0 ? (int16_t*)c : NULL;  /* 16 tokens' codes, Sp apart */
+                if (c16) memset(c16, 0, sizeof(int16_t) * 16 * Sp);
+#endif
+                for (int64_t t = chunk * per_chunk; t < t_end;) {
+                    int64_t idx[16], G = 0, ns = 0;
+                    for (; t < t_end && G < 16; t++) {
                         const int32_t kp = pos[bh * L + t];
                         int seen = 0;
                         for (int64_t m = 0; m < M; m++) seen |= VISIBLE(kp, hi[m], lo[m]);
@@ -759,28 +902,44 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                             for (int64_t m = 0; m < M; m++) lg[m * T + t] = -INFINITY;
                             continue;
                         }
-                        ns = unpack_live(kc + (bh * L + t) * Wk, cnt + h * 6, lut3, lut15, c + nb * S);
-                        batch[nb++] = t;
-                        if (nb < 4) continue;
+                        const uint8_t* src = kc + (bh * L + t) * Wk;
+#if KVTC_INT_KEYS
+                        if (c16) ns = unpack_live_i16(src, cnt + h * 6, lut3i, c16 + G * Sp);
+                        else
+#endif
+                        ns = unpack_live(src, cnt + h * 6, lut3, lut15, c + G * S);
+                        idx[G++] = t;
                     }
-                    if (nb == 0) continue;
-                    /* Rebuild the batch's keys, then rotate each and take its logits. */
-                    if (D == 64 && nb == 4) keys4_d64(c, S, ns, w, o, k);
-                    else
-                        for (int64_t j = 0; j < nb; j++) {
-                            memcpy(k + j * D, o, sizeof(float) * D);
-                            for (int64_t s = 0; s < ns; s++) axpy(k + j * D, c[j * S + s], w + s * D, D);
+                    if (G == 0) continue;
+                    for (int64_t j = 0; j < G; j += 4) {  /* (a short group's other rows: earlier codes, unread) */
+#if KVTC_INT_KEYS
+                        if (c16) {
+                            keys4_i16(c16 + j * Sp, Sp, (ns + 1) / 2, wk16 + h * ((S + 1) / 2) * D * 2, ks + h * D, o,
+                                      k + j * D, D);
+                            continue;
                         }
-                    for (int64_t j = 0; j < nb; j++) {
-                        const int64_t tj = batch[j];
-                        const int32_t kp = pos[bh * L + tj];
-                        const int64_t at = kp >= 0 && kp < P ? kp : 0;
-                        rotate_key(kr, k + j * D, cos_t + at * RD, sin_t + at * RD, RD, D);
-                        for (int64_t m = 0; m < M; m++)
-                            lg[m * T + tj] = VISIBLE(kp, hi[m], lo[m]) ? dot(q + (bh * M + m) * D, kr, D) * scaling
-                                                                       : -INFINITY;
+#endif
+                        if (D == 64 && j + 4 <= G) keys4_d64(c + j * S, S, ns, w, o, k + j * D);
+                        else
+                            for (int64_t i = j; i < G && i < j + 4; i++) {
+                                memcpy(k + i * D, o, sizeof(float) * D);
+                                for (int64_t s = 0; s < ns; s++) axpy(k + i * D, c[i * S + s], w + s * D, D);
+                            }
                     }
-                    nb = 0;
+                    for (int64_t i = 0; i < G; i++) {
+                        const int32_t kp = pos[bh * L + idx[i]];
+                        const int64_t at = kp >= 0 && kp < P ? kp : 0;
+                        rotate_key(kr + i * D, k + i * D, cos_t + at * (RD / 2), sin_t + at * (RD / 2), RD, D);
+                    }
+                    for (int64_t m = 0; m < M; m++) {
+                        const float* qm = q + (bh * M + m) * D;
+                        float l16[16];
+                        if (D == 64 && G == 16) logits16_d64(qm, kr, scaling, l16);
+                        else
+                            for (int64_t i = 0; i < G; i++) l16[i] = dot(qm, kr + i * D, D) * scaling;
+                        for (int64_t i = 0; i < G; i++)
+                            lg[m * T + idx[i]] = VISIBLE(pos[bh * L + idx[i]], hi[m], lo[m]) ? l16[i] : -INFINITY;
+                    }
                 }
             }
         }
@@ -869,37 +1028,6 @@ void linear_f32(const float* W, const float* x, const float* b, float* y, int64_
             y[o0 + j] = b ? r[j] + b[o0 + j] : r[j];
         }
     }
-}
-
-/* r[i] = the sum of the 16 lanes of a[i], for 16 vectors at once (a transposing tree: 15 adds and 30 shuffles
-   where 16 separate horizontal sums take about 100 operations). */
-#define SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
-static inline v16f hsum16x16(const v16f* restrict a) {
-    v16f c[8], d[4], e[2];
-    for (int j = 0; j < 8; j++)
-        c[j] = SHUF(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + SHUF(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int j = 0; j < 4; j++)
-        d[j] = SHUF(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + SHUF(c[2 * j], c[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int j = 0; j < 2; j++)
-        e[j] = SHUF(d[2 * j], d[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + SHUF(d[2 * j], d[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return SHUF(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-#undef SHUF
-
-/* D = 64: the scaled logits of 16 consecutive keys (64 floats apart) for one query row, into out[0..15]. */
-static inline void logits16_d64(const float* restrict qm, const float* restrict kr, float scaling,
-                                float* restrict out) {
-    const v16f q0 = load16(qm), q1 = load16(qm + 16), q2 = load16(qm + 32), q3 = load16(qm + 48);
-    v16f a[16];
-    for (int i = 0; i < 16; i++) {
-        const float* kt = kr + 64 * i;
-        a[i] = load16(kt) * q0 + load16(kt + 16) * q1 + load16(kt + 32) * q2 + load16(kt + 48) * q3;
-    }
-    store16(out, hsum16x16(a) * scaling);
 }
 
 /* D = 64, M <= 4 rows: acc[m] (64 floats, D apart) = sum_t p[m * L + t] * v[t] over t in [t0, t1), the rows'
@@ -1592,7 +1720,9 @@ def _compile() -> ctypes.CDLL | None:
     fn = lib.kvtc_attention_f32
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 21 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64,
-                                                                      ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p])
+                                                                      ctypes.c_float] + [ctypes.c_void_p] * 5)
+    lib.kvtc_int_keys.restype = ctypes.c_int
+    lib.kvtc_int_keys.argtypes = []
     return lib
 
 
@@ -1705,15 +1835,21 @@ def quant_key_logits(q: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.
     return out
 
 
-_LIVE_DIGITS: dict[int, torch.Tensor] = {}
+_LIVE_DIGITS: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
-def _digits(base: int, k: int) -> torch.Tensor:
-    """``[256 * k]`` float32: the ``k`` base-``base`` digits of every byte, lowest first (KVTC's live packing)."""
-    if base not in _LIVE_DIGITS:
+def _digits(base: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[256 * k]``: the ``k`` base-``base`` digits of every byte, lowest first (KVTC's live packing)."""
+    if (base, dtype) not in _LIVE_DIGITS:
         byte = torch.arange(256)
-        _LIVE_DIGITS[base] = torch.stack([(byte // base**i) % base for i in range(k)], 1).to(torch.float32).reshape(-1)
-    return _LIVE_DIGITS[base]
+        _LIVE_DIGITS[base, dtype] = torch.stack([(byte // base**i) % base for i in range(k)], 1).to(dtype).reshape(-1)
+    return _LIVE_DIGITS[base, dtype]
+
+
+def int_keys() -> bool:
+    """Whether :func:`kvtc_attention` rebuilds keys in integers when given ``int_keys`` (AVX-512 VNNI)."""
+    lib = load() if enabled() else None
+    return bool(lib is not None and lib.kvtc_int_keys())
 
 
 def supports_kvtc(q: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -1728,18 +1864,22 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
                    sin: torch.Tensor | None, residual_keys: torch.Tensor, residual_values: torch.Tensor,
                    residual_positions: torch.Tensor,
                    scaling: float, window: int | None = None, softcap: float | None = None,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None,
+                   int_keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, H_q, n, D]`` (positions ``q_pos`` ``[B, n]``) over KVTC's live codes and
     its full-precision tokens, read once from the packed codes (:mod:`compressors.kvtc`).
 
     key_codes ``[B, H_kv, L, W_k]``, value_codes ``[B, H_kv, L, W_v]`` uint8 and positions ``[B, H_kv, L]``
     (``>= len(cos)``: no token); counts ``[H_kv, 2, 3]`` components stored at 2, 4 and 8 bits per KV head for keys
     and values (coding order); a key is ``rotate(codes @ key_weight[h] + key_offset[h])`` (``[H_kv, S, D]``,
-    ``[H_kv, D]``; cos, sin ``[P, RD]`` by position; None for keys coded after RoPE: a key is then
+    ``[H_kv, D]``; cos, sin ``[P, RD / 2]`` by position, the first half of rotate-half's table (its halves are
+    equal; :meth:`compressors.kvtc.KVTC.rope_half_table`); None for keys coded after RoPE: a key is then
     ``codes @ key_weight[h] + key_offset[h]`` and each query is projected on it once instead of rebuilding the
     keys), a value ``codes @ value_weight[h] + value_offset[h]``.
     residual_*: the sinks and window ``[B, H_kv, R, D]``, positions ``[B, H_kv, R]``. The layer's window,
-    soft-cap and sink logits ``[H_q]`` as in :func:`quant_attention`. Returns ``[B, H_q, n, D]`` float32."""
+    soft-cap and sink logits ``[H_q]`` as in :func:`quant_attention`. ``int_keys``: ``(pairs, scale)`` from
+    :func:`kvcomp.transform_coding.int16_grid` of ``key_weight`` (which must then lie on that grid): keys rebuilt
+    in int32 sums where :func:`int_keys` (rotated keys only). Returns ``[B, H_q, n, D]`` float32."""
     lib = load()
     if lib is None:
         raise RuntimeError("the native CPU kernel is unavailable; use KVTC's torch path")
@@ -1760,15 +1900,23 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
                cos.contiguous(), sin.contiguous(), _digits(3, 5), _digits(15, 2), residual_keys.contiguous(),
                residual_values.contiguous(), residual_positions.to(torch.int32).contiguous()]
     sinks = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+    if int_keys is not None:
+        pairs, key_scale = int_keys
+        if pairs.shape != (h, -(-s // 2), d, 2) or pairs.dtype != torch.int16 or key_scale.shape != (h, d):
+            raise ValueError(f"int_keys must be int16 pairs [{h}, {-(-s // 2)}, {d}, 2] and scales [{h}, {d}] "
+                             f"(kvcomp.transform_coding.int16_grid of key_weight); got {tuple(pairs.shape)} "
+                             f"{pairs.dtype} and {tuple(key_scale.shape)}.")
+        tensors += [pairs.contiguous(), key_scale.to(torch.float32).contiguous(), _digits(3, 5, torch.int16)]
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
     logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
-    work = torch.empty(b * h * chunks, 16 * padded + 5 * d, dtype=torch.float32)
+    work = torch.empty(b * h * chunks, 16 * padded + 32 * d, dtype=torch.float32)
     partial = torch.empty(b * h * chunks, rows, padded + 1, dtype=torch.float32)
     lib.kvtc_attention_f32(
-        *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
-        b, h, rows, n, length, r, d, s, cos.shape[-1], cos.shape[0], key_codes.shape[-1], value_codes.shape[-1],
-        chunks, float(scaling), threads, int(window or 0), float(softcap or 0.0),
+        *[t.data_ptr() for t in tensors[:17]], out.data_ptr(), logits.data_ptr(), work.data_ptr(),
+        partial.data_ptr(), b, h, rows, n, length, r, d, s, 2 * cos.shape[-1], cos.shape[0], key_codes.shape[-1],
+        value_codes.shape[-1], chunks, float(scaling), threads, int(window or 0), float(softcap or 0.0),
         None if sinks is None else sinks.data_ptr(), None if qk is None else qk.data_ptr(),
+        *([t.data_ptr() for t in tensors[17:]] if int_keys is not None and qk is None else [None] * 3),
     )
     return out.reshape(b, hq, n, d)
 
