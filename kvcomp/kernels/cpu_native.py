@@ -649,6 +649,30 @@ static inline __attribute__((always_inline)) void values_tile(float* restrict ac
     }
 }
 
+/* values_tile for SP = 64 and M <= 4 rows: every row's sums in registers, so that each token's codes are loaded
+   once for all rows (the same sums in the same order). */
+static inline void values_tile_rows64(float* restrict acc, int64_t QS, const float* restrict lg, int64_t T,
+                                      int64_t M, const int64_t* restrict idx, int64_t G, const float* restrict tile) {
+    v16f r[4][4];
+    float mass[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int m = 0; m < 4 && m < M; m++)
+        for (int u = 0; u < 4; u++) r[m][u] = load16(acc + m * QS + 16 * u);
+    for (int64_t j = 0; j < G; j++) {
+        const float* tj = tile + j * 64;
+        const v16f v0 = load16(tj), v1 = load16(tj + 16), v2 = load16(tj + 32), v3 = load16(tj + 48);
+        for (int m = 0; m < 4; m++) {
+            if (m >= M) break;
+            const float pj = lg[m * T + idx[j]];
+            mass[m] += pj;
+            r[m][0] += pj * v0; r[m][1] += pj * v1; r[m][2] += pj * v2; r[m][3] += pj * v3;
+        }
+    }
+    for (int m = 0; m < 4 && m < M; m++) {
+        for (int u = 0; u < 4; u++) store16(acc + m * QS + 16 * u, r[m][u]);
+        acc[m * QS + 64] += mass[m];
+    }
+}
+
 /* values_tile for any SP (a multiple of 16), the accumulators in memory. */
 static void values_tile_any(float* restrict acc, int64_t QS, const float* restrict lg, int64_t T, int64_t M,
                             const int64_t* restrict idx, int64_t G, const float* restrict tile, int64_t SP) {
@@ -873,15 +897,18 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                         const int32_t* tp = pos + bh * L + t0;
                         for (int64_t i = 0; i < G; i++)
                             unpack_live(kc + (bh * L + t0 + i) * Wk, cnt + h * 6, lut3, lut15, c + i * Sp);
-                        for (int64_t m = 0; m < M; m++) {
+                        for (int64_t m = 0; m < M; m++) {  /* (a short tile's other rows: earlier codes, unread) */
                             const float* qm = qr + m * QS;
                             float* row = lg + m * T + t0;
-                            for (int64_t i = 0; i < G; i++) {
+                            v16f a[16];
+                            for (int i = 0; i < 16; i++) {
                                 const float* ci = c + i * Sp;
-                                v16f a = load16(ci) * load16(qm);
-                                for (int64_t s = 16; s < Sp; s += 16) a += load16(ci + s) * load16(qm + s);
-                                row[i] = VISIBLE(tp[i], hi[m], lo[m]) ? (qm[Sp] + hsum16(a)) * scaling : -INFINITY;
+                                a[i] = load16(ci) * load16(qm);
+                                for (int64_t s = 16; s < Sp; s += 16) a[i] += load16(ci + s) * load16(qm + s);
                             }
+                            const v16f dots = hsum16x16(a);
+                            for (int64_t i = 0; i < G; i++)
+                                row[i] = VISIBLE(tp[i], hi[m], lo[m]) ? (qm[Sp] + dots[i]) * scaling : -INFINITY;
                         }
                     }
                     continue;
@@ -961,12 +988,13 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                     int64_t idx[16], G = 0;
                     for (int64_t t = t0; t < end; t++) {
                         int any = 0;
-                        for (int64_t m = 0; m < M; m++) any |= lg[m * T + t] != 0.0f;
+                        for (int64_t m = 0; m < M && !any; m++) any = lg[m * T + t] != 0.0f;
                         if (!any) continue;
                         unpack_live(vc + (bh * L + t) * Wv, cnt + h * 6 + 3, lut3, lut15, c + G * Sp);
                         idx[G++] = t;
                     }
-                    if (Sp == 64) values_tile(acc, QS, lg, T, M, idx, G, c, 64);
+                    if (Sp == 64 && M <= 4) values_tile_rows64(acc, QS, lg, T, M, idx, G, c);
+                    else if (Sp == 64) values_tile(acc, QS, lg, T, M, idx, G, c, 64);
                     else if (Sp == 128) values_tile(acc, QS, lg, T, M, idx, G, c, 128);
                     else if (Sp == 256) values_tile(acc, QS, lg, T, M, idx, G, c, 256);
                     else values_tile_any(acc, QS, lg, T, M, idx, G, c, Sp);
