@@ -40,14 +40,15 @@ calls the fused C kernel :func:`kvcomp.kernels.cpu_native.kvtc_attention` (one p
 each visible key rebuilt once for its query group, four at a time, in exact int32 sums of the codes times the
 key basis moved onto an int16 grid where the CPU has AVX-512 VNNI (32 multiply-adds an instruction against 16
 in float; the grid moves an entry by at most 1/65534 of its channel's largest, and every path, torch's
-included, uses the same grid basis), the probabilities applied to the value codes and projected once). Elsewhere ``_DECODE_TOKENS`` (1024) coded tokens at a time are unpacked (one table gather per width) and turned into floats: keys by one batched
-matmul of the codes with the basis (dequantization folded in, ``codes @ weight + offset``) and RoPE from a
-cos/sin table indexed by position; values stay coefficients, the online softmax applies its probabilities to
-them and projects the ``[B, H_kv, G * n, S]`` result once (cheap for a few queries, instead of reconstructing
-every value). Then the sinks and the window. The keys' matmul is the floor of a step: the PCA basis is fitted
-to keys without RoPE, so every key is rebuilt (``S x D`` multiply-adds) before its rotation. With
-``keys="post_rope"`` nothing is rotated and the C kernel takes each key's logit as ``q . offset + codes . (W q)``
-(``S`` multiply-adds per key and query row).
+included, uses the same grid basis), the probabilities applied to the value codes and projected once).
+Elsewhere ``_DECODE_TOKENS`` (1024) coded tokens at a time are unpacked (one table gather per width) and turned
+into floats: keys by one batched matmul of the codes with the basis (dequantization folded in, ``codes @ weight
++ offset``) and RoPE from a cos/sin table indexed by position; values stay coefficients, the online softmax
+applies its probabilities to them and projects the ``[B, H_kv, G * n, S]`` result once (cheap for a few
+queries, instead of reconstructing every value). Then the sinks and the window. The keys' rebuild is the floor
+of a step: the PCA basis is fitted to keys without RoPE, so every key is rebuilt (``S x D`` multiply-adds)
+before its rotation. With ``keys="post_rope"`` nothing is rotated and the C kernel takes each key's logit as
+``q . offset + codes . (W q)`` (``S`` multiply-adds per key and query row).
 :meth:`KVTC.materialize` (for composition after KVTC and for tests) does reconstruct everything at once.
 
 Composition. Token selection before KVTC (``Compose(SnapKV(0.5), KVTC())``) hands over each KV head's kept

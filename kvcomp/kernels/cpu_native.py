@@ -841,17 +841,18 @@ int kvtc_int_keys(void) { return KVTC_INT_KEYS; }
 /* KVTC decode attention over live codes. q [BH, M, D] (row m: query m % n); qpos [B, n]; kc [BH, L, Wk],
    vc [BH, L, Wv] packed codes; pos [BH, L] (>= P: a hole); cnt [H, 2, 3] components per width of each KV head's
    keys and values; wk, wv [H, S, D] and ok, ov [H, D]: a key is RoPE(codes @ wk + ok), a value codes @ wv + ov;
-   cos_t, sin_t [P, RD / 2] by position (RD rotary channels; the first half of rotate-half's table); rk, rv [BH, R, D], rpos [BH, R]: full-precision sinks and
-   window; out [BH, M, D]; logits [BH, M, L + R]; work [BH * chunks, 16 * Sp + 32 * D]; partial
+   cos_t, sin_t [P, RD / 2] by position (RD rotary channels; the first half of rotate-half's table); rk, rv
+   [BH, R, D], rpos [BH, R]: full-precision sinks and window; out [BH, M, D]; logits [BH, M, L + R]; work
+   [BH * chunks, 16 * Sp + 32 * D]; partial
    [BH * chunks, M, Sp + 1] (Sp: S rounded up to a multiple of 16, the components past a head's count zero).
    Keys: each coded token's key is rebuilt once (unpack, S x D multiply-adds, rotation) and shared by the group's
    M rows; or, given qk [BH * chunks, M, Sp + 1] (keys coded after RoPE), each chunk first projects its queries,
    qk[m, s] = wk[s] . q[m] and qk[m, Sp] = ok . q[m], and a logit is qk[m, Sp] + codes . qk[m] (Sp multiply-adds,
    nothing rebuilt or rotated), sixteen tokens unpacked at a time. Given wk16 [H, ceil(S / 2), D, 2] int16 and ks
    [H, D] with wk[h, s, d] = ks[h, d] * wk16[h, s / 2, d, s % 2] (the basis on an int16 grid, D % 16 == 0), keys
-   are rebuilt from int16 codes (lut3i: the ternary digits as int16) in exact int32 sums where VNNI is compiled in (twice the
-   multiply-adds an instruction), else from wk as floats: the same keys to float rounding. Values: the
-   probabilities are applied to the codes and projected once per row at the end. */
+   are rebuilt from int16 codes (lut3i: the ternary digits as int16) in exact int32 sums where VNNI is compiled
+   in (twice the multiply-adds an instruction), else from wk as floats: the same keys to float rounding. Values:
+   the probabilities are applied to the codes and projected once per row at the end. */
 void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const uint8_t* vc,
                         const int32_t* pos, const int64_t* cnt, const float* wk, const float* ok, const float* wv,
                         const float* ov, const float* cos_t, const float* sin_t, const float* lut3,
