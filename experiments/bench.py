@@ -3,7 +3,11 @@
 For every context length and compressor: prefill a synthetic prompt once, then decode ``decode_steps`` tokens
 greedily (the compressors' steps interleaved, so load changes on a shared machine hit all alike), and record
 
-* prefill tokens/s, decode tokens/s and the median ms per decoded token;
+* prefill tokens/s, decode tokens/s and the median ms per decoded token. One prefill here varies by about
+  +-12%, more than the overhead of most methods: ``--prefill-rounds N`` prefills every compressor N times in
+  interleaved rounds; ``prefill_s`` is then the median, ``prefill_rounds_s`` every round's time, and each
+  ``prefill_slowdown`` the median of the per-round ratios to the baseline's prefill of the same round, with
+  the lowest and highest round's ratio in ``prefill_slowdown_low`` / ``_high`` (``..._kvcomp_low`` / ``_high``);
 * in a second pass after the timed one (``--no-memory`` skips it), each compressor alone: the rise of the
   process's resident memory during the prefill (sampled: the cache plus prefill transients), the process's
   peak, and the largest rise within a decode step; timings come from glibc's own allocator, peaks from a fixed
@@ -68,6 +72,8 @@ class BenchConfig:
     compression_ratio: float = 0.75  # for compressors with a compression_ratio field, unless given
     quant_bits: int = 4
     decode_steps: int = 32
+    # Prefills per compressor and context, in interleaved rounds (run_bench): the prefill columns are medians.
+    prefill_rounds: int = 1
     model: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
@@ -78,6 +84,12 @@ class BenchConfig:
     # Every row's one-token linear layers through the native kernel (kvcomp.steps.native_linears).
     native_linear: bool = False
     out: str = "runs/bench"
+
+    def __post_init__(self) -> None:
+        from kvcomp import validation
+
+        validation.positive_int("prefill_rounds", self.prefill_rounds, owner=self, hint=" (prefills per row)",
+                                error=ValueError)
 
 
 # -- what to run ---------------------------------------------------------------------------------------------
@@ -246,7 +258,11 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     cache = run["cache"]
     resident, full, _ = cache_stats(cache)
     steps = sorted(run["step_s"])
-    row = {k: run[k] for k in ("prefill_s", "prefill_tok_s")}
+    rounds = run.get("prefill_rounds_s", [run["prefill_s"]])
+    tokens = run["prefill_tok_s"] * run["prefill_s"]
+    row = {"prefill_s": _median(rounds), "prefill_tok_s": tokens / _median(rounds)}
+    if len(rounds) > 1:
+        row["prefill_rounds_s"] = rounds
     row.update(
         decode_tok_s=len(steps) / sum(steps) if steps else float("nan"),
         decode_ms_per_token=1000 * steps[len(steps) // 2] if steps else float("nan"),
@@ -320,7 +336,7 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     """Run every (context, compressor) pair; returns the rows (also written to ``config.out``).
 
     Two passes. The timing pass runs with glibc's own allocator, as a user's process would: at each context
-    every compressor prefills once (in turn, each prefill timed alone), then the decode steps are interleaved,
+    every compressor prefills once (in turn, each prefill timed alone; or in ``prefill_rounds`` rounds), then the decode steps are interleaved,
     one step of each compressor in turn, so that a change in the machine's load (a shared machine) slows all
     of them alike and the ratios to ``none`` stay meaningful. The memory pass (``config.memory``) follows in a
     fresh process (:func:`memory_in_fresh_process`; in this one when a model object is given) with a fixed
@@ -378,16 +394,50 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     return rows
 
 
+def _prefill_rounds(model, ids: torch.Tensor, config: BenchConfig, built: list, log) -> list[dict[str, Any]]:
+    """``config.prefill_rounds`` rounds in which every compressor prefills ``ids`` once, each round starting one
+    compressor further along (so none always runs first); each run of the last round (kept for the decode steps)
+    records every round's ``prefill_s`` in ``prefill_rounds_s``, in round order."""
+    times: list[list[float]] = [[] for _ in built]
+    runs: list[dict[str, Any] | None] = [None] * len(built)
+    for r in range(config.prefill_rounds):
+        for i in [(r + j) % len(built) for j in range(len(built))]:
+            label, compressor = built[i]
+            runs[i] = None  # the previous round's cache goes before this prefill allocates another
+            run = prefill(model, ids, compressor, config.device)
+            times[i].append(run["prefill_s"])
+            runs[i] = run
+            log(f"{ids.shape[1]:>6} {label:32s} prefill {run['prefill_tok_s']:7.0f} tok/s"
+                + (f" (round {r + 1} of {config.prefill_rounds})" if config.prefill_rounds > 1 else ""))
+    for run, seconds in zip(runs, times):
+        run["prefill_rounds_s"] = seconds
+    return runs
+
+
+def _prefill_ratios(row: dict[str, Any], ref: dict[str, Any], suffix: str) -> None:
+    """``prefill_slowdown{suffix}``: the median over rounds of the row's prefill time over ``ref``'s in the same
+    round (paired: a round's load hits both), with the lowest and highest round's ratio beside it."""
+    ratios = sorted(a / b for a, b in zip(row.get("prefill_rounds_s", [row["prefill_s"]]),
+                                          ref.get("prefill_rounds_s", [ref["prefill_s"]])))
+    row[f"prefill_slowdown{suffix}"] = _median(ratios)
+    if len(ratios) > 1:
+        row[f"prefill_slowdown{suffix}_low"], row[f"prefill_slowdown{suffix}_high"] = ratios[0], ratios[-1]
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def _timed_pass(model, config: BenchConfig, built: list, weights: int, bandwidth: float, log) -> list[dict]:
-    """Every context: prefill each compressor, decode their steps interleaved, one row each (run_bench)."""
+    """Every context: prefill each compressor (in rounds), decode their steps interleaved, one row each
+    (run_bench)."""
     warm_up(model, config, built)
     rows = []
     for context in config.contexts:
         ids = synthetic_prompt(context, model.config.vocab_size, config.seed)
-        runs = []
-        for label, compressor in built:
-            runs.append(prefill(model, ids, compressor, config.device))
-            log(f"{context:>6} {label:32s} prefill {runs[-1]['prefill_tok_s']:7.0f} tok/s")
+        runs = _prefill_rounds(model, ids, config, built, log)
         for _ in range(config.decode_steps):
             for (_, compressor), run in zip(built, runs):
                 decode_step(model, run, compressor, config.device)
@@ -404,7 +454,7 @@ def _timed_pass(model, config: BenchConfig, built: list, weights: int, bandwidth
             for suffix, name in (("", "none"), ("_kvcomp", KVCOMP_BASELINE)):
                 ref = base[name]
                 row[f"decode_speedup{suffix}"] = ref["decode_ms_per_token"] / row["decode_ms_per_token"]
-                row[f"prefill_slowdown{suffix}"] = row["prefill_s"] / ref["prefill_s"]
+                _prefill_ratios(row, ref, suffix)
             row["memory_factor"] = metrics.fast_tier_factor(base["none"]["kv_bytes"], row["kv_bytes"])
             row["stored_factor"] = metrics.fast_tier_factor(base["none"]["kv_bytes"], row["kv_stored_bytes"])
             rows.append(row)
@@ -448,6 +498,8 @@ def _cell(row: dict, key: str, fmt: str | None) -> str:
         return ""
     if key == "kv_bytes":
         return f"{value / 2**20:.1f}"
+    if key == "prefill_slowdown" and "prefill_slowdown_low" in row:  # rounds: the extreme rounds beside it
+        return f"{value:.2f} ({row['prefill_slowdown_low']:.2f}-{row['prefill_slowdown_high']:.2f})"
     return fmt.format(value)
 
 

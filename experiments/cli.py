@@ -324,7 +324,8 @@ def _bench(args) -> int:
     from experiments.bench import BenchConfig, print_table, run_bench
 
     config = BenchConfig(contexts=args.contexts, compressors=args.compressors, compression_ratio=args.ratio,
-                         quant_bits=args.bits, decode_steps=args.decode_steps, model=args.model, dtype=args.dtype,
+                         quant_bits=args.bits, decode_steps=args.decode_steps,
+                         prefill_rounds=args.prefill_rounds, model=args.model, dtype=args.dtype,
                          device=args.device, threads=args.threads, seed=args.seed, out=args.out,
                          memory=args.memory, native_linear=args.native_linear)
     rows = run_bench(config)
@@ -490,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=float, default=0.75, help="compression_ratio where a compressor has one")
     p.add_argument("--bits", type=int, default=4, help="bits for quant unless given as quant:bits=N")
     p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--prefill-rounds", type=int, default=1,
+                   help="prefills per compressor and context in interleaved rounds; the prefill columns are "
+                        "medians and the slowdowns paired by round, with the lowest and highest round beside them")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)

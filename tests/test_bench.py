@@ -152,3 +152,40 @@ def test_bench_native_linear_runs_every_row_through_the_kernel(tiny, tmp_path, m
     assert json.loads((tmp_path / "bench.json").read_text())["meta"]["config"]["native_linear"] is True
     assert not any("forward" in vars(m) for m in linears)
     model.set_attn_implementation("kvcomp")  # the session fixture is shared
+
+
+def test_prefill_rounds_pair_each_round_with_the_baselines(tiny, tmp_path, monkeypatch):
+    """--prefill-rounds 3: every compressor prefills three times, each round starting one compressor further
+    along; prefill_s is the median of its rounds and each slowdown the median of the per-round ratios, with the
+    extreme rounds beside it."""
+    from experiments import bench
+
+    model, tokenizer = tiny
+    order, clock = [], iter(range(1, 1000))
+    real = bench.prefill
+
+    def timed(model, ids, compressor, device, measure=False):
+        order.append("none" if compressor is None else type(compressor).__name__)
+        run = real(model, ids, compressor, device, measure)
+        if ids.shape[1] == 40:  # the timed pass (not the warm-up): distinct, known times
+            run["prefill_s"] = float(next(clock))
+            run["prefill_tok_s"] = 40 / run["prefill_s"]
+        return run
+
+    monkeypatch.setattr(bench, "prefill", timed)
+    config = BenchConfig(contexts=[40], compressors=["snapkv"], decode_steps=2, memory=False, prefill_rounds=3,
+                         out=str(tmp_path))
+    rows = run_bench(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
+    assert order[3:] == ["none", "WindowStore", "SnapKV", "WindowStore", "SnapKV", "none",  # after the warm-up
+                         "SnapKV", "none", "WindowStore"]
+    none, own, snap = rows
+    assert snap["prefill_rounds_s"] == [3.0, 5.0, 7.0] and snap["prefill_s"] == 5.0
+    assert none["prefill_rounds_s"] == [1.0, 6.0, 8.0] and snap["prefill_tok_s"] == 40 / 5.0
+    ratios = sorted([3 / 1, 5 / 6, 7 / 8])
+    assert snap["prefill_slowdown"] == pytest.approx(ratios[1])
+    assert (snap["prefill_slowdown_low"], snap["prefill_slowdown_high"]) == pytest.approx((ratios[0], ratios[2]))
+    assert none["prefill_slowdown"] == none["prefill_slowdown_low"] == none["prefill_slowdown_high"] == 1.0
+    assert own["prefill_slowdown_kvcomp"] == 1.0 and all(r["decode_tok_s"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="prefill_rounds"):
+        BenchConfig(prefill_rounds=0)
+    model.set_attn_implementation("kvcomp")  # the session fixture is shared
