@@ -40,7 +40,8 @@ calls the fused C kernel :func:`kvcomp.kernels.cpu_native.kvtc_attention` (one p
 each visible key rebuilt once for its query group, four at a time, in exact int32 sums of the codes times the
 key basis moved onto an int16 grid where the CPU has AVX-512 VNNI (32 multiply-adds an instruction against 16
 in float; the grid moves an entry by at most 1/65534 of its channel's largest, and every path, torch's
-included, uses the same grid basis), the probabilities applied to the value codes and projected once).
+included, uses the same grid basis), the probabilities applied to the value codes and projected once; the
+full-precision sinks and window read where they are, not concatenated).
 Elsewhere ``_DECODE_TOKENS`` (1024) coded tokens at a time are unpacked (one table gather per width) and turned
 into floats: keys by one batched matmul of the codes with the basis (dequantization folded in, ``codes @ weight
 + offset``) and RoPE from a cos/sin table indexed by position; values stay coefficients, the online softmax
@@ -426,14 +427,12 @@ class KVTC(Compressor):
         if state.blocks is not None:
             raise CompressorError("this KVTC state is in its stored form; KVTC.restored() makes it attendable.")
         cos, sin = (None, None) if self.post_rope else self.rope_half_table(state.last_position + 1, q.device)
-        residual = [torch.cat([a, b], dim=2) for a, b in zip(
-            (state.sinks.keys, state.sinks.values, state.sinks.positions),
-            (state.window.keys, state.window.values, state.window.positions))]
-        spec = ctx.spec
+        spec, window, sinks = ctx.spec, state.window, state.sinks
         return cpu_native.kvtc_attention(
             q, ctx.query_positions, state.key_codes, state.value_codes, state.positions, codec["counts"],
             codec["key_weight"], codec["key_offset"], codec["value_weight"], codec["value_offset"], cos, sin,
-            *residual, spec.scaling, spec.window, spec.softcap, spec.sinks, int_keys=codec["key_int"]).to(q.dtype)
+            window.keys, window.values, window.positions, spec.scaling, spec.window, spec.softcap, spec.sinks,
+            int_keys=codec["key_int"], head=(sinks.keys, sinks.values, sinks.positions)).to(q.dtype)
 
     def checkpoint(self, state: KVTCState) -> KVTCState:
         """A shallow copy: appending never writes into a state's tensors (the window and the live codes are

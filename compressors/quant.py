@@ -104,10 +104,6 @@ class QuantState:
         """``[B, H_kv]`` attention sinks held in full precision."""
         return self.sinks.valid.sum(-1)
 
-    def full_precision(self) -> TokenStore:
-        """The sinks and the window, one store (what the attention kernels read as the full-precision part)."""
-        return self.sinks.cat(self.residual) if self.sinks.positions.shape[-1] else self.residual
-
 
 @dataclass
 class Quant(Compressor):
@@ -217,7 +213,7 @@ class Quant(Compressor):
     def attend(self, layer, state: QuantState, q, ctx):
         """Blockwise dequantize-attention (see :mod:`kvcomp.kernels.quant_cpu` for what is materialized at a
         time): equal to dense attention over :meth:`materialize`'s K/V."""
-        r = state.full_precision()
+        r, s = state.residual, state.sinks  # the full-precision part: sinks first (read in place), the window
         return kernels.quant_attention(
             q,
             ctx.query_positions,
@@ -238,6 +234,7 @@ class Quant(Compressor):
             window=ctx.spec.window,
             softcap=ctx.spec.softcap,
             sinks=ctx.spec.sinks,
+            head=(s.keys, s.values, s.positions) if s.positions.shape[-1] else None,
         )
 
     def nbytes(self, state: QuantState) -> dict[str, int]:

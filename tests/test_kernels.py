@@ -333,6 +333,25 @@ def test_native_cpu_quant_attention_matches_reference(bits, gqa, d, residual, n,
                                rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits,gqa,d,residual,n,channels,group", [
+    (4, 3, 24, 6, 2, None, 8), (4, 3, 64, 6, 1, 32, 8), (2, 5, 64, 3, 1, 64, 16)])
+def test_quant_attention_reads_the_sinks_in_place_as_if_concatenated(monkeypatch, bits, gqa, d, residual, n,
+                                                                     channels, group):
+    """``head`` (the quant compressor's attention sinks, ahead of its window): the C kernel reads them where they
+    are and gives exactly what it gives for the concatenation; the torch path concatenates them."""
+    if DEVICE != "cpu" or cpu_native.load() is None:
+        pytest.skip("no C compiler")
+    args = quant_case(bits, gqa, torch.float32, d=d, residual=residual, n=n, seed=5, channels=channels, group=group,
+                      n_groups=3)
+    head, tail = tuple(t[:, :, :2] for t in args[9:12]), tuple(t[:, :, 2:] for t in args[9:12])
+    split = (*args[:9], *tail, *args[12:])
+    expected = cpu_native.quant_attention(*args)
+    assert torch.equal(kernels.quant_attention(*split, head=head), expected)
+    monkeypatch.setenv("KVCOMP_NATIVE", "0")
+    torch.testing.assert_close(kernels.quant_attention(*split, head=head), quant_ref.quant_attention(*args),
+                               rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("bits,gqa,d,n,group", [
     (2, 3, 64, 1, 8), (4, 4, 24, 2, 8), (1, 3, 64, 1, 8), (8, 1, 16, 1, 8),
     # sixteen tokens per vector (1 and 2 bits, groups of 16k tokens, 16k bytes per token): rows 3, 5 (4 + 1), 1

@@ -791,9 +791,17 @@ def test_native_kernel_equals_rebuilt_keys_and_dense_attention(head_dim, rotary,
     q_pos = torch.tensor([[length + n_res - 2, length + n_res - 1]] * b)
     counts = torch.tensor([[[dict(s).get(w, 0) for w in (2, 4, 8)] for s in head] for head in segments])
     spec = AttentionSpec(head_dim ** -0.5, window=150)
-    out = cpu_native.kvtc_attention(q, q_pos, packed[0], packed[1], positions, counts, weight[:, 0].contiguous(),
-                                    offset[:, 0].contiguous(), weight[:, 1].contiguous(), offset[:, 1].contiguous(),
-                                    *halves, res_k, res_v, res_pos, spec.scaling, spec.window, int_keys=key_int)
+
+    def kernel(*residual, head=None):
+        return cpu_native.kvtc_attention(
+            q, q_pos, packed[0], packed[1], positions, counts, weight[:, 0].contiguous(), offset[:, 0].contiguous(),
+            weight[:, 1].contiguous(), offset[:, 1].contiguous(), *halves, *residual, spec.scaling, spec.window,
+            int_keys=key_int, head=head)
+
+    out = kernel(res_k, res_v, res_pos)
+    # The sinks read in place ahead of the window (KVTC's decode step): the same slots, the same sums.
+    assert torch.equal(kernel(*(t[:, :, 4:] for t in (res_k, res_v, res_pos)),
+                              head=tuple(t[:, :, :4] for t in (res_k, res_v, res_pos))), out)
     index = positions.long().masked_fill(positions >= SENTINEL, 0)
     keys = torch.matmul(codes[0].float(), weight[:, 0]) + offset[:, 0, None]
     if rotary:

@@ -88,17 +88,21 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return _impl("quant", "unpack", packed)(packed, bits)
 
 
-def quant_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def quant_attention(q: torch.Tensor, *args, head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    **kwargs) -> torch.Tensor:
     """See :func:`kvcomp.kernels.quant_ref.quant_attention`. On the CPU, float32 goes to the fused C kernel of
     :mod:`cpu_native` when it compiles (``KVCOMP_NATIVE=0`` turns it off), everything else to
-    :mod:`quant_cpu`."""
+    :mod:`quant_cpu`. ``head`` (keys, values, positions; the attention sinks): full-precision tokens that go
+    before the residual ones; the C kernel reads them in place, the others get them concatenated."""
     impl = _impl("quant", "quant_attention", q)
     if backend_for(q) == "torch":
         from kvcomp.kernels import cpu_native
 
         # args: q_pos, key codes, scale, zero, value codes, scale, zero, positions, residual k, v, pos, bits
         if cpu_native.supports(q, args[5], args[11] if len(args) > 11 else kwargs["bits"], args[2], args[9]):
-            impl = cpu_native.quant_attention
+            return cpu_native.quant_attention(q, *args, head=head, **kwargs)
+    if head is not None:
+        args = (*args[:8], *(torch.cat([a, b], dim=2) for a, b in zip(head, args[8:11])), *args[11:])
     return impl(q, *args, **kwargs)
 
 

@@ -326,15 +326,38 @@ static void group_logits(const float* restrict qb, const float* restrict s, cons
     }
 }
 
+/* The full-precision (residual) tokens of a quantized or coded cache, in two segments read in place: the
+   attention sinks (n0 per (row, KV head) bh), then the window (n1): keys k0, k1 and values v0, v1
+   [BH, n_i, D], positions p0, p1 [BH, n_i]. Residual slot t of bh is the sinks' slot t below n0, else the
+   window's slot t - n0. n0 = 0: one segment. */
+typedef struct {
+    const float *k0, *v0, *k1, *v1;
+    const int32_t *p0, *p1;
+    int64_t n0, n1;
+} residual_t;
+
+static inline const float* residual_key(const residual_t* r, int64_t bh, int64_t t, int64_t D) {
+    return t < r->n0 ? r->k0 + (bh * r->n0 + t) * D : r->k1 + (bh * r->n1 + t - r->n0) * D;
+}
+
+static inline const float* residual_value(const residual_t* r, int64_t bh, int64_t t, int64_t D) {
+    return t < r->n0 ? r->v0 + (bh * r->n0 + t) * D : r->v1 + (bh * r->n1 + t - r->n0) * D;
+}
+
+static inline int32_t residual_position(const residual_t* r, int64_t bh, int64_t t) {
+    return t < r->n0 ? r->p0[bh * r->n0 + t] : r->p1[bh * r->n1 + t - r->n0];
+}
+
 /* One query row's logits over T slots, the first T - R already scaled and masked: the R residual
-   (full-precision) keys' logits (visible range [lo, hi]), soft-capping, and a softmax with the head's sink
-   logit (NULL: none). */
+   (full-precision) keys' logits of (row, KV head) bh (visible range [lo, hi]; res NULL when R = 0),
+   soft-capping, and a softmax with the head's sink logit (NULL: none). */
 static void residual_softmax(float* restrict row, int64_t T, int64_t R, const float* restrict qm,
-                             const float* restrict rk, const int32_t* restrict rpos, int64_t D, int64_t hi,
+                             const residual_t* res, int64_t bh, int64_t D, int64_t hi,
                              int64_t lo, float scaling, float softcap, const float* sink) {
     const int64_t L = T - R;
     for (int64_t t = 0; t < R; t++)
-        row[L + t] = VISIBLE(rpos[t], hi, lo) ? dot(qm, rk + t * D, D) * scaling : -INFINITY;
+        row[L + t] = VISIBLE(residual_position(res, bh, t), hi, lo)
+                         ? dot(qm, residual_key(res, bh, t, D), D) * scaling : -INFINITY;
     if (softcap > 0.0f)
         for (int64_t t = 0; t < T; t++)
             if (row[t] != -INFINITY) row[t] = softcap * tanhf(row[t] / softcap);
@@ -356,14 +379,16 @@ static void residual_softmax(float* restrict row, int64_t T, int64_t R, const fl
 }
 
 /* Inside a parallel region (orphaned omp for): first[bh], the lowest position of (row, KV head) bh over its L
-   coded and R residual slots (a query below it sees no key). */
-static void lowest_positions(int64_t* first, const int32_t* pos, const int32_t* rpos, int64_t BH, int64_t L,
-                             int64_t R) {
+   coded and residual slots (a query below it sees no key). */
+static void lowest_positions(int64_t* first, const int32_t* pos, const residual_t* res, int64_t BH, int64_t L) {
     #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < BH; bh++) {
         int64_t lowest = INT64_MAX;
         for (int64_t t = 0; t < L; t++) if (pos[bh * L + t] < lowest) lowest = pos[bh * L + t];
-        for (int64_t t = 0; t < R; t++) if (rpos[bh * R + t] < lowest) lowest = rpos[bh * R + t];
+        for (int64_t t = 0; t < res->n0 + res->n1; t++) {
+            const int64_t p = residual_position(res, bh, t);
+            if (p < lowest) lowest = p;
+        }
         first[bh] = lowest;
     }
 }
@@ -371,17 +396,16 @@ static void lowest_positions(int64_t* first, const int32_t* pos, const int32_t* 
 /* Inside a parallel region: residual_softmax for every query row of logits [BH, M, T] (q [BH, M, D], row m is
    query m % n of the group; a query that sees no key sees every slot). */
 static void softmax_rows(float* logits, const float* q, const int64_t* qpos, const int64_t* first,
-                         const float* rk, const int32_t* rpos, int64_t BH, int64_t H, int64_t M, int64_t n,
-                         int64_t T, int64_t R, int64_t D, int64_t window, float scaling, float softcap,
-                         const float* sinks) {
+                         const residual_t* res, int64_t BH, int64_t H, int64_t M, int64_t n, int64_t T, int64_t D,
+                         int64_t window, float scaling, float softcap, const float* sinks) {
     #pragma omp for collapse(2) schedule(static)
     for (int64_t bh = 0; bh < BH; bh++) {
         for (int64_t m = 0; m < M; m++) {
             const int64_t qpm = qpos[(bh / H) * n + m % n];
             const int blind = first[bh] > qpm;
             const int64_t hi = blind ? INT64_MAX : qpm, lo = blind || window <= 0 ? INT64_MIN : qpm - window + 1;
-            residual_softmax(logits + (bh * M + m) * T, T, R, q + (bh * M + m) * D, rk + bh * R * D,
-                             rpos + bh * R, D, hi, lo, scaling, softcap,
+            residual_softmax(logits + (bh * M + m) * T, T, res->n0 + res->n1, q + (bh * M + m) * D, res, bh, D,
+                             hi, lo, scaling, softcap,
                              sinks ? sinks + (bh % H) * (M / n) + m / n : NULL);
         }
     }
@@ -414,8 +438,9 @@ void quant_key_logits_f32(const float* q, const uint8_t* kc, const float* ks, co
 }
 
 /* q [BH, M, D] (row m is query m % n of the group's head m / n); qpos [B, n]; kc, vc [BH, L, W];
-   ks, kz [BH, L / G, D]; vs, vz [BH, L, J]; pos [BH, L]; rk, rv [BH, R, D]; rpos [BH, R]; out [BH, M, D];
-   logits [BH, M, L + R]; window: sliding window (0: none); softcap: logit soft-cap (0: none); sinks: [H * M / n]
+   ks, kz [BH, L / G, D]; vs, vz [BH, L, J]; pos [BH, L]; hk, hv [BH, R0, D], hpos [BH, R0] (the sinks) and
+   rk, rv [BH, R, D], rpos [BH, R] (the window): the full-precision tokens (residual_t); out [BH, M, D];
+   logits [BH, M, L + R0 + R]; window: sliding window (0: none); softcap: logit soft-cap (0: none); sinks: [H * M / n]
    sink logits per query head (NULL: none); key_logits [BH, M, L]: the quantized keys' scaled logits when the
    caller has them (quant_key_logits_f32; NULL: computed here);
    work [BH * chunks, M * D + 2 * D + G * D]; partial [BH * chunks, M, D]. Each row's groups are split into `chunks` ranges
@@ -427,8 +452,10 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                          float* work, float* partial, int64_t B, int64_t H, int64_t M, int64_t n, int64_t L,
                          int64_t G, int64_t R, int64_t D, int64_t J, int64_t W, int64_t chunks, int bits,
                          float scaling, int threads, int64_t window, float softcap, const float* sinks,
-                         const float* key_logits) {
-    const int64_t BH = B * H, T = L + R, P = 8 / bits, run = D / J / P;  /* run: columns of a channel group per plane */
+                         const float* key_logits, const float* hk, const float* hv, const int32_t* hpos,
+                         int64_t R0) {
+    const residual_t res = {hk, hv, rk, rv, hpos, rpos, R0, R};
+    const int64_t BH = B * H, T = L + R0 + R, P = 8 / bits, run = D / J / P;  /* run: columns of a channel group per plane */
     const int64_t NG = L / G, per_chunk = (NG + chunks - 1) / chunks;
     /* The values' vector path: 16 columns per vector, each inside one value channel group (group_of[k]). */
     const int vector = W % 16 == 0 && run % 16 == 0 && D % 64 == 0 && D <= 256;
@@ -440,7 +467,7 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
     plane_channels(channel, D, W, bits);
     #pragma omp parallel num_threads(threads)
     {
-        lowest_positions(first, pos, rpos, BH, L, R);
+        lowest_positions(first, pos, &res, BH, L);
         /* Keys: each group's logits (or the caller's), then the visibility rule. */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++) {
@@ -474,7 +501,7 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
             }
         }
         /* Residual keys, then soft-capping and a softmax (with the head's sink) per query row. */
-        softmax_rows(logits, q, qpos, first, rk, rpos, BH, H, M, n, T, R, D, window, scaling, softcap, sinks);
+        softmax_rows(logits, q, qpos, first, &res, BH, H, M, n, T, D, window, scaling, softcap, sinks);
         /* Values: acc_c += (p * s_j) * c_c + p * z_j, j the channel group of column c. */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++) {
@@ -577,8 +604,8 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                     for (int64_t c = 0; c < D; c++) ob[m * D + channel[c]] += acc[m * D + c];
             }
             const float* lg = logits + bh * M * T;
-            for (int64_t t = 0; t < R; t++) {
-                const float* v = rv + (bh * R + t) * D;
+            for (int64_t t = 0; t < R0 + R; t++) {
+                const float* v = residual_value(&res, bh, t, D);
                 for (int64_t m = 0; m < M; m++) {
                     const float p = lg[m * T + L + t];
                     float* o = ob + m * D;
@@ -842,7 +869,8 @@ int kvtc_int_keys(void) { return KVTC_INT_KEYS; }
    vc [BH, L, Wv] packed codes; pos [BH, L] (>= P: a hole); cnt [H, 2, 3] components per width of each KV head's
    keys and values; wk, wv [H, S, D] and ok, ov [H, D]: a key is RoPE(codes @ wk + ok), a value codes @ wv + ov;
    cos_t, sin_t [P, RD / 2] by position (RD rotary channels; the first half of rotate-half's table); rk, rv
-   [BH, R, D], rpos [BH, R]: full-precision sinks and window; out [BH, M, D]; logits [BH, M, L + R]; work
+   [BH, R, D], rpos [BH, R]: the full-precision window, hk, hv [BH, R0, D], hpos [BH, R0] the sinks
+   (residual_t); out [BH, M, D]; logits [BH, M, L + R0 + R]; work
    [BH * chunks, 16 * Sp + 32 * D]; partial
    [BH * chunks, M, Sp + 1] (Sp: S rounded up to a multiple of 16, the components past a head's count zero).
    Keys: each coded token's key is rebuilt once (unpack, S x D multiply-adds, rotation) and shared by the group's
@@ -861,13 +889,14 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                         int64_t L, int64_t R, int64_t D, int64_t S, int64_t RD, int64_t P, int64_t Wk, int64_t Wv,
                         int64_t chunks, float scaling, int threads, int64_t window, float softcap,
                         const float* sinks, float* qk, const int16_t* wk16, const float* ks,
-                        const int16_t* lut3i) {
-    const int64_t BH = B * H, T = L + R, per_chunk = (L + chunks - 1) / chunks;
+                        const int16_t* lut3i, const float* hk, const float* hv, const int32_t* hpos, int64_t R0) {
+    const residual_t res = {hk, hv, rk, rv, hpos, rpos, R0, R};
+    const int64_t BH = B * H, T = L + R0 + R, per_chunk = (L + chunks - 1) / chunks;
     const int64_t Sp = (S + 15) / 16 * 16, QS = Sp + 1, WS = 16 * Sp + 32 * D;  /* padded components, strides */
     int64_t first[BH > 0 ? BH : 1];
     #pragma omp parallel num_threads(threads)
     {
-        lowest_positions(first, pos, rpos, BH, L, R);
+        lowest_positions(first, pos, &res, BH, L);
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++) {
             for (int64_t chunk = 0; chunk < chunks; chunk++) {
@@ -971,7 +1000,7 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                 }
             }
         }
-        softmax_rows(logits, q, qpos, first, rk, rpos, BH, H, M, n, T, R, D, window, scaling, softcap, sinks);
+        softmax_rows(logits, q, qpos, first, &res, BH, H, M, n, T, D, window, scaling, softcap, sinks);
         /* Values: acc[m, s] += p * code_s and acc[m, S] += p per chunk. */
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++) {
@@ -1017,9 +1046,9 @@ void kvtc_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, 
                 float* ob = out + (bh * M + m) * D;
                 scale(ob, sum[Sp], o, D);
                 for (int64_t s = 0; s < S; s++) if (sum[s] != 0.0f) axpy(ob, sum[s], w + s * D, D);
-                for (int64_t t = 0; t < R; t++) {
+                for (int64_t t = 0; t < R0 + R; t++) {
                     const float p = lg[m * T + L + t];
-                    if (p != 0.0f) axpy(ob, p, rv + (bh * R + t) * D, D);
+                    if (p != 0.0f) axpy(ob, p, residual_value(&res, bh, t, D), D);
                 }
             }
         }
@@ -1108,7 +1137,7 @@ void decode_attention_f32(const float* q, const float* k, const float* v, float*
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++)
             for (int64_t m = 0; m < M; m++)
-                residual_softmax(probs + (bh * M + m) * L, L, 0, NULL, NULL, NULL, D, 0, 0, scaling, softcap,
+                residual_softmax(probs + (bh * M + m) * L, L, 0, NULL, NULL, 0, D, 0, 0, scaling, softcap,
                                  sinks ? sinks + (bh % H) * M + m : NULL);
         #pragma omp for collapse(2) schedule(static)
         for (int64_t bh = 0; bh < BH; bh++) {
@@ -1708,7 +1737,7 @@ def _compile() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 11 + [ctypes.c_int, ctypes.c_float, ctypes.c_int,
                                                                     ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
-                                                                    ctypes.c_void_p]
+                                                                    ctypes.c_void_p] + _RESIDUAL_HEAD_ARGS
     fn = lib.quant_key_logits_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
@@ -1749,10 +1778,30 @@ def _compile() -> ctypes.CDLL | None:
     fn = lib.kvtc_attention_f32
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 21 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64,
-                                                                      ctypes.c_float] + [ctypes.c_void_p] * 5)
+                                                                      ctypes.c_float] + [ctypes.c_void_p] * 5
+                   + _RESIDUAL_HEAD_ARGS)
     lib.kvtc_int_keys.restype = ctypes.c_int
     lib.kvtc_int_keys.argtypes = []
     return lib
+
+
+_RESIDUAL_HEAD_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # the sinks' keys, values, positions and count
+
+
+def _head_args(head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, b: int, h: int, d: int) -> list:
+    """The trailing arguments of quant_attention_f32 / kvtc_attention_f32 for the residual's first segment
+    (``residual_t`` in the C source: the attention sinks, ``[B, H_kv, R0, D]`` keys and values and ``[B, H_kv,
+    R0]`` positions, read in place of being concatenated with the window), or none. Returns the pointers and
+    R0 followed by the contiguous tensors, which the caller holds until the call returns."""
+    if head is None or head[2].shape[-1] == 0:
+        return [None, None, None, 0]
+    keys, values, positions = head
+    r0 = positions.shape[-1]
+    if keys.shape != (b, h, r0, d) or values.shape != keys.shape:
+        raise ValueError(f"head keys and values must be [{b}, {h}, R0, {d}] with positions [{b}, {h}, R0]; got "
+                         f"{tuple(keys.shape)}, {tuple(values.shape)} and {tuple(positions.shape)}.")
+    held = [keys.contiguous(), values.contiguous(), positions.to(torch.int32).contiguous()]
+    return [t.data_ptr() for t in held] + [r0] + held
 
 
 def supports(q: torch.Tensor, value_scale: torch.Tensor, bits: int, *tensors: torch.Tensor) -> bool:
@@ -1786,11 +1835,14 @@ def quant_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     key_logits: torch.Tensor | None = None,
+    head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See :func:`kvcomp.kernels.quant_ref.quant_attention` (float32 CPU tensors; ``block_tokens`` unused:
     the kernel holds one token's codes at a time). ``key_logits``: the quantized keys' scaled logits
     ``[B, H_kv, G * n, N * G]`` when the caller computed them already (:func:`quant_key_logits`, as a retrieval
-    method does to score its tokens); the kernel then masks and reuses them instead of reading the key codes."""
+    method does to score its tokens); the kernel then masks and reuses them instead of reading the key codes.
+    ``head``: full-precision tokens attended before the residual ones (keys, values, positions: the attention
+    sinks), read where they are instead of concatenated with the window at every step."""
     lib = load()
     if lib is None:
         raise RuntimeError("the native CPU kernel is unavailable; use kvcomp.kernels.quant_cpu.quant_attention")
@@ -1814,15 +1866,16 @@ def quant_attention(
             raise ValueError(f"key_logits must be float32 {(b, h, rows, length)}; got {key_logits.dtype} "
                              f"{tuple(key_logits.shape)}.")
         key_logits = key_logits.contiguous()
+    first = _head_args(head, b, h, d)
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
-    logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
+    logits = torch.empty(b * h, rows, length + first[3] + r, dtype=torch.float32)
     work = torch.empty(b * h * chunks, rows * d + 2 * d + group * d, dtype=torch.float32)
     partial = torch.empty(b * h * chunks, rows, d, dtype=torch.float32)
     lib.quant_attention_f32(
         *[t.data_ptr() for t in tensors], out.data_ptr(), logits.data_ptr(), work.data_ptr(), partial.data_ptr(),
         b, h, rows, n, length, group, r, d, value_scale.shape[-1], key_codes.shape[-1], chunks, bits,
         float(scaling), threads, int(window or 0), float(softcap or 0.0), None if sinks is None else sinks.data_ptr(),
-        None if key_logits is None else key_logits.data_ptr(),
+        None if key_logits is None else key_logits.data_ptr(), *first[:4],
     )
     return out.reshape(b, hq, n, d)
 
@@ -1894,7 +1947,8 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
                    residual_positions: torch.Tensor,
                    scaling: float, window: int | None = None, softcap: float | None = None,
                    sinks: torch.Tensor | None = None,
-                   int_keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   int_keys: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   head: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, H_q, n, D]`` (positions ``q_pos`` ``[B, n]``) over KVTC's live codes and
     its full-precision tokens, read once from the packed codes (:mod:`compressors.kvtc`).
 
@@ -1905,7 +1959,9 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
     equal; :meth:`compressors.kvtc.KVTC.rope_half_table`); None for keys coded after RoPE: a key is then
     ``codes @ key_weight[h] + key_offset[h]`` and each query is projected on it once instead of rebuilding the
     keys), a value ``codes @ value_weight[h] + value_offset[h]``.
-    residual_*: the sinks and window ``[B, H_kv, R, D]``, positions ``[B, H_kv, R]``. The layer's window,
+    residual_*: the full-precision tokens ``[B, H_kv, R, D]``, positions ``[B, H_kv, R]``; ``head`` (keys,
+    values, positions) more of them attended first, read in place (the sinks; :func:`quant_attention`). The
+    layer's window,
     soft-cap and sink logits ``[H_q]`` as in :func:`quant_attention`. ``int_keys``: ``(pairs, scale)`` from
     :func:`kvcomp.transform_coding.int16_grid` of ``key_weight`` (which must then lie on that grid): keys rebuilt
     in int32 sums where :func:`int_keys` (rotated keys only). Returns ``[B, H_q, n, D]`` float32."""
@@ -1936,8 +1992,9 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
                              f"(kvcomp.transform_coding.int16_grid of key_weight); got {tuple(pairs.shape)} "
                              f"{pairs.dtype} and {tuple(key_scale.shape)}.")
         tensors += [pairs.contiguous(), key_scale.to(torch.float32).contiguous(), _digits(3, 5, torch.int16)]
+    first = _head_args(head, b, h, d)
     out = torch.empty(b, h, rows, d, dtype=torch.float32)
-    logits = torch.empty(b * h, rows, length + r, dtype=torch.float32)
+    logits = torch.empty(b * h, rows, length + first[3] + r, dtype=torch.float32)
     work = torch.empty(b * h * chunks, 16 * padded + 32 * d, dtype=torch.float32)
     partial = torch.empty(b * h * chunks, rows, padded + 1, dtype=torch.float32)
     lib.kvtc_attention_f32(
@@ -1945,7 +2002,7 @@ def kvtc_attention(q: torch.Tensor, q_pos: torch.Tensor, key_codes: torch.Tensor
         partial.data_ptr(), b, h, rows, n, length, r, d, s, 2 * cos.shape[-1], cos.shape[0], key_codes.shape[-1],
         value_codes.shape[-1], chunks, float(scaling), threads, int(window or 0), float(softcap or 0.0),
         None if sinks is None else sinks.data_ptr(), None if qk is None else qk.data_ptr(),
-        *([t.data_ptr() for t in tensors[17:]] if int_keys is not None and qk is None else [None] * 3),
+        *([t.data_ptr() for t in tensors[17:]] if int_keys is not None and qk is None else [None] * 3), *first[:4],
     )
     return out.reshape(b, hq, n, d)
 
