@@ -189,3 +189,22 @@ def test_prefill_rounds_pair_each_round_with_the_baselines(tiny, tmp_path, monke
     with pytest.raises(ValueError, match="prefill_rounds"):
         BenchConfig(prefill_rounds=0)
     model.set_attn_implementation("kvcomp")  # the session fixture is shared
+
+
+def test_step_sections_times_the_named_parts_and_puts_them_back(tiny, capsys):
+    """experiments.step_sections (the results' sections.py scripts): a wrapped method's or function's time per
+    call over real decode steps, names a class lacks skipped, and every original back afterwards."""
+    from compressors.snapkv import SnapKV
+    from experiments.step_sections import time_sections
+    from kvcomp import selection
+
+    compact, store_of_new = selection.compact, vars(selection)["store_of_new"]
+    own = {name: vars(SnapKV).get(name) for name in ("attend", "append")}
+    found = time_sections("snapkv", 40, methods=["attend", "append", "no_such_method"],
+                          functions=[(selection, "compact"), (selection, "store_of_new")], steps=2, warm=1,
+                          model="tiny")
+    assert found["step"] > 0 and found["SnapKV.attend"] > 0 and found["SnapKV.append"] > 0
+    assert found["kvcomp.selection.compact"] > 0 and not any("no_such_method" in key for key in found)
+    assert {name: vars(SnapKV).get(name) for name in ("attend", "append")} == own  # the wrappers are gone
+    assert selection.compact is compact and selection.store_of_new is store_of_new
+    assert "SnapKV.attend" in capsys.readouterr().out
