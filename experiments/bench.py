@@ -336,13 +336,14 @@ def run_bench(config: BenchConfig, model=None, tokenizer=None, log=print) -> lis
     """Run every (context, compressor) pair; returns the rows (also written to ``config.out``).
 
     Two passes. The timing pass runs with glibc's own allocator, as a user's process would: at each context
-    every compressor prefills once (in turn, each prefill timed alone; or in ``prefill_rounds`` rounds), then the decode steps are interleaved,
-    one step of each compressor in turn, so that a change in the machine's load (a shared machine) slows all
-    of them alike and the ratios to ``none`` stay meaningful. The memory pass (``config.memory``) follows in a
-    fresh process (:func:`memory_in_fresh_process`; in this one when a model object is given) with a fixed
-    mmap threshold (:func:`kvcomp.memory.fixed_malloc_threshold`: peaks then compare what each method
-    allocates, not the heap's history, but every large allocation faults its pages in, which would slow
-    allocating steps by up to 40%): each compressor alone prefills and decodes the same steps again.
+    every compressor prefills once (in turn, each prefill timed alone; or in ``prefill_rounds`` rounds), then
+    the decode steps are interleaved, one step of each compressor in turn, so that a change in the machine's
+    load (a shared machine) slows all of them alike and the ratios to ``none`` stay meaningful. The memory
+    pass (``config.memory``) follows in a fresh process (:func:`memory_in_fresh_process`; in this one when a
+    model object is given) with a fixed mmap threshold (:func:`kvcomp.memory.fixed_malloc_threshold`: peaks
+    then compare what each method allocates, not the heap's history, but every large allocation faults its
+    pages in, which would slow allocating steps by up to 40%): each compressor alone prefills and decodes the
+    same steps again.
     ``peak_rise_mb`` is the rise of the process's resident memory during its prefill (its cache plus prefill
     transients; on CUDA, of allocated device memory), ``peak_rss_mb`` the process's peak then;
     ``decode_peak_rise_mb`` the largest rise within one decode step over the memory held just before it (the

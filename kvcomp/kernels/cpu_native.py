@@ -440,11 +440,11 @@ void quant_key_logits_f32(const float* q, const uint8_t* kc, const float* ks, co
 /* q [BH, M, D] (row m is query m % n of the group's head m / n); qpos [B, n]; kc, vc [BH, L, W];
    ks, kz [BH, L / G, D]; vs, vz [BH, L, J]; pos [BH, L]; hk, hv [BH, R0, D], hpos [BH, R0] (the sinks) and
    rk, rv [BH, R, D], rpos [BH, R] (the window): the full-precision tokens (residual_t); out [BH, M, D];
-   logits [BH, M, L + R0 + R]; window: sliding window (0: none); softcap: logit soft-cap (0: none); sinks: [H * M / n]
-   sink logits per query head (NULL: none); key_logits [BH, M, L]: the quantized keys' scaled logits when the
-   caller has them (quant_key_logits_f32; NULL: computed here);
-   work [BH * chunks, M * D + 2 * D + G * D]; partial [BH * chunks, M, D]. Each row's groups are split into `chunks` ranges
-   that threads take in parallel (keys, then values into per-chunk partial sums).
+   logits [BH, M, L + R0 + R]; window: sliding window (0: none); softcap: logit soft-cap (0: none);
+   sinks: [H * M / n] sink logits per query head (NULL: none); key_logits [BH, M, L]: the quantized keys'
+   scaled logits when the caller has them (quant_key_logits_f32; NULL: computed here);
+   work [BH * chunks, M * D + 2 * D + G * D]; partial [BH * chunks, M, D]. Each row's groups are split into
+   `chunks` ranges that threads take in parallel (keys, then values into per-chunk partial sums).
    Needs D % P == 0 and (D / J) % P == 0 (P = 8 / bits codes per byte). */
 void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc, const float* ks, const float* kz,
                          const uint8_t* vc, const float* vs, const float* vz, const int32_t* pos,
@@ -455,7 +455,8 @@ void quant_attention_f32(const float* q, const int64_t* qpos, const uint8_t* kc,
                          const float* key_logits, const float* hk, const float* hv, const int32_t* hpos,
                          int64_t R0) {
     const residual_t res = {hk, hv, rk, rv, hpos, rpos, R0, R};
-    const int64_t BH = B * H, T = L + R0 + R, P = 8 / bits, run = D / J / P;  /* run: columns of a channel group per plane */
+    /* run: columns of a channel group per plane */
+    const int64_t BH = B * H, T = L + R0 + R, P = 8 / bits, run = D / J / P;
     const int64_t NG = L / G, per_chunk = (NG + chunks - 1) / chunks;
     /* The values' vector path: 16 columns per vector, each inside one value channel group (group_of[k]). */
     const int vector = W % 16 == 0 && run % 16 == 0 && D % 64 == 0 && D <= 256;
