@@ -167,10 +167,18 @@ class ExpectedAttention(TokenSelection):
 
     # -- scoring ----------------------------------------------------------------------------------------
     def score(self, q, k, v, ctx):
+        return self._prompt_scores(q, k, v, ctx, None)
+
+    def prefill_score(self, store, q, k, v, ctx, budget):
+        # With decode-time scoring on, prefill_extra has just put the prompt's query sums in store.extra: the
+        # same sums, from the same queries, that scoring would compute a second time.
+        sums = store.extra if store.extra and "q_sum" in store.extra else None
+        return self._prompt_scores(q, k, v, ctx, sums)
+
+    def _prompt_scores(self, q, k, v, ctx, sums):
         def compute():
-            real = ctx.query_valid & (ctx.query_positions >= self.n_sink)
-            sums = self.query_sums(q, ctx.query_positions, ctx, real.float())
-            return self._expected_scores(k, v, ctx.positions, ctx.valid, sums, ctx.next_positions(), ctx)
+            stats = sums if sums is not None else self._prompt_sums(q, ctx)
+            return self._expected_scores(k, v, ctx.positions, ctx.valid, stats, ctx.next_positions(), ctx)
 
         if ctx.shared is None:
             return compute()
@@ -179,8 +187,9 @@ class ExpectedAttention(TokenSelection):
         return ctx.shared.get(key, compute).clone()
 
     def prefill_extra(self, q, ctx):
-        if not self._decode:
-            return None
+        return self._prompt_sums(q, ctx) if self._decode else None
+
+    def _prompt_sums(self, q, ctx):
         real = ctx.query_valid & (ctx.query_positions >= self.n_sink)
         return self.query_sums(q, ctx.query_positions, ctx, real.float())
 

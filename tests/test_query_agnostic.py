@@ -590,6 +590,29 @@ def test_decode_evict_over_an_allocator_keeps_its_head_wise_budget(tiny):
     assert set(totals) == {2 * 48}
 
 
+def test_decode_evict_over_expected_attention_sums_the_prompt_queries_once(tiny, monkeypatch):
+    """The query sums kept for decode-time scoring are the ones the prefill selection scores with: summed once
+    per layer, and the prompt keeps what Expected Attention alone keeps."""
+    model, tokenizer = tiny
+    calls = []
+    original = ExpectedAttention.query_sums
+
+    def counted(self, *args):
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(ExpectedAttention, "query_sums", counted)
+    alone, _, _ = prefilled(model, tokenizer, ExpectedAttention(compression_ratio=0.5))
+    assert len(calls) == len(alone.layers)
+    calls.clear()
+    wrapped, _, _ = prefilled(model, tokenizer, DecodeEvict(scorer=ExpectedAttention(), compression_ratio=0.5))
+    assert len(calls) == len(wrapped.layers)
+    for a, w in zip(alone.layers, wrapped.layers):
+        assert torch.equal(a.state.positions, w.state.positions)
+        assert torch.equal(a.state.keys, w.state.keys)
+        assert w.state.extra["q_count"].item() > 0
+
+
 def test_tova_evicts_with_the_current_steps_attention(tiny, monkeypatch):
     model, tokenizer = tiny
     tova = TOVA(budget=64)  # an absolute budget: every decode step evicts one token
