@@ -89,12 +89,20 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 def undo_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0):
-    """Inverse of :func:`apply_rope`: rotate back by ``-theta`` and divide by ``scaling**2``."""
-    rot = 2 * inv_freq.shape[-1]
+    """Inverse of :func:`apply_rope`: rotate back by ``-theta`` and divide by ``scaling**2``.
+
+    ``x * cos - rotate_half(x) * sin`` written into one buffer: each half takes the other half's product in a
+    separate multiply and add (the roundings of the expression; no fused multiply-add), and nothing is
+    concatenated when every channel rotates."""
+    rot, half = 2 * inv_freq.shape[-1], inv_freq.shape[-1]
     xr = x[..., :rot].to(torch.promote_types(x.dtype, torch.float32))
     cos, sin = _cos_sin(positions, inv_freq, scaling, xr.dtype)
-    out = (xr * cos - _rotate_half(xr) * sin) / (scaling * scaling)
-    return torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
+    out = xr * cos
+    out[..., :half] += xr[..., half:] * sin[..., :half]
+    out[..., half:] -= xr[..., :half] * sin[..., half:]
+    if scaling != 1.0:
+        out /= scaling * scaling
+    return out.to(x.dtype) if rot == x.shape[-1] else torch.cat([out.to(x.dtype), x[..., rot:]], dim=-1)
 
 
 # -- quantization --------------------------------------------------------------------------------------------

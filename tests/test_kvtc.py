@@ -89,6 +89,25 @@ def test_rope_undo_redo_is_exact_and_matches_the_model(tiny):
     torch.testing.assert_close(undone, pre, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_undo_rope_rounds_as_the_written_expression(dtype):
+    """The in-place undo gives, bit for bit, ``(x cos - rotate_half(x) sin) / scaling**2`` computed term by term
+    (KVTC's codes and Expected Attention's statistics depend on it), with every channel rotated or a partial
+    rotary embedding."""
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 8000, (2, 1, 40), generator=gen)
+    for d, pairs in ((16, 8), (24, 4)):
+        x = torch.randn(2, 3, 40, d, generator=gen).to(dtype)
+        inv_freq = 1.0 / (10000 ** (torch.arange(pairs).float() / pairs))
+        for s in (1.0, 1.3):
+            rot = 2 * pairs
+            xr = x[..., :rot].float()
+            cos, sin = tc._cos_sin(positions, inv_freq, s, torch.float32)
+            rotated_half = torch.cat([-xr[..., pairs:], xr[..., :pairs]], dim=-1)
+            expected = torch.cat([((xr * cos - rotated_half * sin) / (s * s)).to(dtype), x[..., rot:]], dim=-1)
+            assert torch.equal(tc.undo_rope(x, positions, inv_freq, s), expected)
+
+
 # -- artifacts -----------------------------------------------------------------------------------------------
 def test_artifact_round_trips_and_rejects_another_model(tiny, artifact):
     model, _ = tiny
