@@ -208,3 +208,20 @@ def test_step_sections_times_the_named_parts_and_puts_them_back(tiny, capsys):
     assert {name: vars(SnapKV).get(name) for name in ("attend", "append")} == own  # the wrappers are gone
     assert selection.compact is compact and selection.store_of_new is store_of_new
     assert "SnapKV.attend" in capsys.readouterr().out
+
+
+def test_prefill_hooks_time_each_compressors_hook_against_dynamic_cache(capsys):
+    """experiments.step_sections.prefill_hooks: the compressor's prefill hook is timed inside real prefills (none
+    for DynamicCache), its share is of the same round's DynamicCache prefill, and the hook is put back."""
+    from compressors.snapkv import SnapKV
+    from experiments.step_sections import prefill_hooks
+    from kvcomp.selection import TokenSelection
+
+    found = prefill_hooks(["snapkv", "none-kvcomp"], 40, rounds=2, model="tiny")
+    assert set(found) == {"none", "snapkv(compression_ratio=0.75)", "none-kvcomp"}
+    assert found["none"]["hook_s"] == 0 and found["none"]["hook_share"] == 0
+    snap = found["snapkv(compression_ratio=0.75)"]
+    assert 0 < snap["hook_s"] < snap["prefill_s"]
+    assert snap["hook_share"] == pytest.approx(snap["hook_s"] / found["none"]["prefill_s"], rel=1.0)
+    assert "prefill" not in vars(SnapKV) and SnapKV.prefill is TokenSelection.prefill  # inherited again
+    assert "hook / DynamicCache prefill" in capsys.readouterr().out
