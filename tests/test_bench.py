@@ -222,6 +222,6 @@ def test_prefill_hooks_time_each_compressors_hook_against_dynamic_cache(capsys):
     assert found["none"]["hook_s"] == 0 and found["none"]["hook_share"] == 0
     snap = found["snapkv(compression_ratio=0.75)"]
     assert 0 < snap["hook_s"] < snap["prefill_s"]
-    assert snap["hook_share"] == pytest.approx(snap["hook_s"] / found["none"]["prefill_s"], rel=1.0)
+    assert 0 < snap["hook_share"] < 1 and found["none-kvcomp"]["hook_s"] > 0
     assert "prefill" not in vars(SnapKV) and SnapKV.prefill is TokenSelection.prefill  # inherited again
     assert "hook / DynamicCache prefill" in capsys.readouterr().out
